@@ -1,0 +1,35 @@
+"""Packaging for jagg-autograd.
+
+The Triton kernels live in the top-level ``kernels/`` folder and install as
+``jagg_autograd.kernels``; everything else comes from ``src/``.
+"""
+
+from setuptools import find_packages, setup
+
+_TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "triton>=3.0"]
+_DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", "transformers>=4.40", "accelerate>=0.34"]
+_DEMO = ["safetensors>=0.4", "scikit-learn>=1.3", "matplotlib>=3.7", "tqdm>=4.60"]
+_BENCH = ["matplotlib>=3.7", "tqdm>=4.60"]
+
+setup(
+    name="jagg-autograd",
+    version="0.1.0",
+    description="JAGG: Jacobian-aggregated gradients for cheaper GRPO training of flow-matching DiTs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    package_dir={"": "src", "jagg_autograd.kernels": "kernels"},
+    packages=find_packages("src") + ["jagg_autograd.kernels"],
+    package_data={"jagg_autograd": ["assets/*.safetensors", "assets/*.json"]},
+    # 2.13.0 (the CPU build CI pins) satisfies this range; a bare "torch" would let a
+    # resolver pull a multi-GB CUDA build on machines that have no torch yet.
+    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", *_DEMO],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": _TEST + _DIFFUSERS,
+        "diffusers": _DIFFUSERS,
+        "bench": _BENCH + _DIFFUSERS,
+    },
+    entry_points={"console_scripts": ["jagg-demo=jagg_autograd.demo:main"]},
+)

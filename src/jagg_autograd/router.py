@@ -1,0 +1,147 @@
+"""The cosine-similarity router: which samples' windows are near-linear enough for JAGG.
+
+Score of sample b in a window with anchors L < R (interior steps L < k < R):
+
+    score_b = min_k cos(v_k[b], (1 - alpha_k[b]) v_L[b] + alpha_k[b] v_R[b])
+
+computed on the velocities the forward pass already produced (no extra model call).  A
+window without interior steps is exactly linear by construction and scores 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from jagg_autograd._backend import resolve_backend
+
+
+def _cos_from_sums(dot: torch.Tensor, nv: torch.Tensor, nl: torch.Tensor) -> torch.Tensor:
+    # Two zero vectors agree perfectly (score 1); one zero vector against a non-zero one has
+    # no direction in common (score 0).  NaN/Inf inputs stay NaN and so route to exact.
+    denom = torch.sqrt(nv * nl)
+    cos = dot / denom
+    zero = denom == 0
+    both_zero = (nv == 0) & (nl == 0)
+    return torch.where(zero, both_zero.to(cos.dtype), cos).clamp(max=1.0)
+
+
+def _per_window_min(cos: torch.Tensor, left: list[int], right: list[int]) -> torch.Tensor:
+    B = cos.shape[1]
+    out = torch.ones((len(left), B), dtype=cos.dtype, device=cos.device)
+    for i, (lo, hi) in enumerate(zip(left, right)):
+        if hi - lo >= 2:
+            # amin propagates NaN, so a NaN step makes the whole window route to exact.
+            out[i] = cos[lo + 1 : hi].amin(0)
+    return out
+
+
+def cosine_route_ref(
+    velocities: torch.Tensor, alpha: torch.Tensor, left: list[int], right: list[int]
+) -> torch.Tensor:
+    """Pure-PyTorch reference of the routing score.
+
+    velocities: (T, B, N); alpha: (T, B); left/right: anchor steps of each of n_w windows.
+    Returns scores (n_w, B) in float32 (float64 for float64 velocities).
+    """
+    acc = torch.float64 if velocities.dtype == torch.float64 else torch.float32
+    v = velocities.to(acc)
+    a = alpha.to(acc).unsqueeze(-1)
+    T, B, _ = v.shape
+    dot = torch.zeros((T, B), dtype=acc, device=v.device)
+    nv = torch.zeros_like(dot)
+    nl = torch.zeros_like(dot)
+    for lo, hi in zip(left, right):
+        if hi - lo < 2:
+            continue
+        vk = v[lo + 1 : hi]
+        lin = (1 - a[lo + 1 : hi]) * v[lo] + a[lo + 1 : hi] * v[hi]
+        dot[lo + 1 : hi] = (vk * lin).sum(-1)
+        nv[lo + 1 : hi] = (vk * vk).sum(-1)
+        nl[lo + 1 : hi] = (lin * lin).sum(-1)
+    return _per_window_min(_cos_from_sums(dot, nv, nl), left, right)
+
+
+def cosine_route(
+    velocities: torch.Tensor,
+    alpha: torch.Tensor,
+    left: list[int],
+    right: list[int],
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Routing scores (n_w, B) of every window; see :func:`cosine_route_ref` for the math.
+
+    velocities: (T, B, N) any strides; alpha: (T, B); left/right: python ints, left < right.
+    """
+    if velocities.dim() != 3 or tuple(alpha.shape) != tuple(velocities.shape[:2]):
+        raise ValueError("velocities must be (T, B, N) and alpha (T, B)")
+    if resolve_backend(backend, velocities.device, velocities.dtype) == "triton":
+        from jagg_autograd.kernels.cosine_route import cosine_route_triton
+
+        dev = velocities.device
+        part = cosine_route_triton(
+            velocities,
+            alpha,
+            torch.tensor(left, dtype=torch.int64, device=dev),
+            torch.tensor(right, dtype=torch.int64, device=dev),
+        ).sum(2)
+        cos = _cos_from_sums(part[..., 0], part[..., 1], part[..., 2])
+        return _per_window_min(cos, left, right)
+    return cosine_route_ref(velocities, alpha, left, right)
+
+
+def _check_threshold(threshold: object) -> float:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"threshold must be a real number, got {type(threshold).__name__}")
+    if not math.isfinite(float(threshold)):
+        raise ValueError(f"threshold must be finite, got {threshold!r}")
+    return float(threshold)
+
+
+def _check_jagg_frac(jagg_frac: object) -> float | None:
+    if jagg_frac is None:
+        return None
+    if isinstance(jagg_frac, bool) or not isinstance(jagg_frac, (int, float)):
+        raise TypeError(f"jagg_frac must be None or a number in [0, 1], got {jagg_frac!r}")
+    if not 0.0 <= float(jagg_frac) <= 1.0:  # also rejects NaN
+        raise ValueError(f"jagg_frac must be None or in [0, 1], got {jagg_frac!r}")
+    return float(jagg_frac)
+
+
+class CosineRouter:
+    """Send windows (per sample) whose velocities are not near-linear to the exact gradient.
+
+    A sample's window gets the exact gradient for its interior steps when its score (see
+    :func:`cosine_route_ref`) is below ``threshold``, is NaN/Inf, or, when ``jagg_frac`` is
+    set, is not among the ``ceil(jagg_frac * B)`` highest scores of that window's batch
+    (ties broken towards the lower sample index).  Windows with no interior step are never
+    routed.  ``threshold > 1`` forces the exact gradient everywhere.
+
+    The default threshold 0.9 is provisional until the quality study calibrates it.
+    """
+
+    def __init__(self, threshold: float = 0.9, jagg_frac: float | None = None) -> None:
+        self.threshold = _check_threshold(threshold)
+        self.jagg_frac = _check_jagg_frac(jagg_frac)
+
+    def __repr__(self) -> str:
+        return f"CosineRouter(threshold={self.threshold}, jagg_frac={self.jagg_frac})"
+
+    def route(self, scores: torch.Tensor, has_interior: torch.Tensor) -> torch.Tensor:
+        """Decide per window and sample: True = exact gradient.
+
+        scores: (n_w, B) float; has_interior: (n_w,) bool.  Returns (n_w, B) bool.
+        """
+        jagg = scores >= self.threshold  # NaN compares False: routes to exact
+        if self.jagg_frac is not None:
+            B = scores.shape[1]
+            keep = math.ceil(self.jagg_frac * B)
+            # NaN sorts as the lowest score so it never takes one of the kept places.
+            key = torch.nan_to_num(scores.double(), nan=-math.inf)
+            order = torch.sort(key, dim=1, descending=True, stable=True).indices
+            top = torch.zeros_like(jagg)
+            top.scatter_(1, order[:, :keep], True)
+            jagg &= top
+        return ~jagg & has_interior.unsqueeze(1)

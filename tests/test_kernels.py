@@ -1,0 +1,176 @@
+"""Triton kernels against their PyTorch references (interpreted on CPU).
+
+Odd sizes, every supported dtype, non-contiguous and stride-0 inputs, NaN-poisoned
+outputs, and the public API with backend="triton" against backend="torch".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fields import MLPField, params_grad, rel_err
+
+from jagg_autograd import jagg_mix, jagg_mix_ref, jagg_trajectory, jagg_window
+from jagg_autograd.router import cosine_route, cosine_route_ref
+
+triton = pytest.importorskip("triton")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # Both sides accumulate in fp32; they may differ by one rounding of the output dtype.
+    return {
+        torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+        torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+    }[dtype]
+
+
+def _weights(T: int, B: int, anchors: list[int], g: torch.Generator):
+    wc = torch.rand(T, B, generator=g, dtype=torch.float64)
+    wn = torch.rand(T, B, generator=g, dtype=torch.float64)
+    wc[anchors] = 1.0
+    wn[anchors] = 0.0
+    return wc, wn
+
+
+LAYOUTS = [
+    (2, [0, 1]),
+    (7, [0, 6]),
+    (10, [0, 3, 6, 9]),
+    (11, [0, 3, 4, 7, 8, 10]),
+    (9, [0, 3, 4, 7, 8]),
+]
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,anchors", LAYOUTS)
+@pytest.mark.parametrize("B,N", [(1, 1), (3, 63), (2, 100), (5, 1025)])
+def test_mix_kernel_matches_reference(dtype, T, anchors, B, N):
+    g = torch.Generator().manual_seed(T * 100 + N)
+    grad = torch.randn(T, B, N, generator=g).to(dtype)
+    wc, wn = _weights(T, B, anchors, g)
+    a = torch.tensor(anchors)
+    got = jagg_mix(grad, wc, wn, a, backend="triton")
+    want = jagg_mix_ref(grad, wc, wn, a)
+    assert got.dtype == dtype and got.shape == (len(anchors), B, N)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mix_kernel_non_contiguous_and_expanded(dtype):
+    T, B, N = 6, 3, 123
+    g = torch.Generator().manual_seed(0)
+    wc, wn = _weights(T, B, [0, 2, 5], g)
+    a = torch.tensor([0, 2, 5])
+    permuted = torch.randn(B, N, T, generator=g).to(dtype).permute(2, 0, 1)
+    expanded = torch.randn(1, 1, 1, generator=g).to(dtype).expand(T, B, N)
+    for grad in (permuted, expanded, torch.randn(T, B, 2 * N, generator=g).to(dtype)[..., ::2]):
+        assert not grad.is_contiguous()
+        got = jagg_mix(grad, wc, wn, a, backend="triton")
+        torch.testing.assert_close(
+            got.float(), jagg_mix_ref(grad, wc, wn, a).float(), **_tol(dtype)
+        )
+
+
+def test_mix_reference_formula():
+    """The reference itself against the window formula G_0 = sum (1-a) g, G_1 = sum a g."""
+    T, B, N = 5, 2, 3
+    g = torch.randn(T, B, N, dtype=torch.float64)
+    alpha = torch.rand(T, B, dtype=torch.float64)
+    alpha[0], alpha[-1] = 0.0, 1.0
+    wc, wn = 1 - alpha, alpha.clone()
+    wc[-1], wn[-1] = 1.0, 0.0  # the last anchor's own gradient counts once, on itself
+    out = jagg_mix_ref(g, wc, wn, torch.tensor([0, T - 1]))
+    torch.testing.assert_close(out[0], ((1 - alpha[:-1, :, None]) * g[:-1]).sum(0))
+    torch.testing.assert_close(out[1], (alpha[1:, :, None] * g[1:]).sum(0))
+
+
+def test_mix_float64_stays_on_reference():
+    g = torch.randn(3, 2, 4, dtype=torch.float64)
+    wc, wn = torch.ones(3, 2, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        jagg_mix(g, wc, wn, torch.tensor([0, 1, 2]), backend="triton")
+    out = jagg_mix(g, wc, wn, torch.tensor([0, 1, 2]), backend="auto")
+    assert out.dtype == torch.float64 and torch.equal(out, g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,N", [(1, 1), (3, 63), (2, 1030)])
+def test_route_kernel_matches_reference(dtype, B, N):
+    T = 10
+    g = torch.Generator().manual_seed(N)
+    base = torch.randn(2, B, N, generator=g)
+    a = torch.rand(T, B, generator=g)
+    # Near-linear velocities plus noise: scores spread over (0, 1].
+    v = ((1 - a[..., None]) * base[0] + a[..., None] * base[1]) + 0.3 * torch.randn(
+        T, B, N, generator=g
+    )
+    v = v.to(dtype)
+    left, right = [0, 3, 4, 8], [3, 4, 8, 9]
+    got = cosine_route(v, a, left, right, backend="triton")
+    want = cosine_route_ref(v, a, left, right)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    perm = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    torch.testing.assert_close(
+        cosine_route(perm, a, left, right, backend="triton"), want, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_public_api_triton_equals_torch(dtype, shared):
+    T, B = 9, 3
+    g = torch.Generator().manual_seed(1)
+    model = MLPField(5, dtype=dtype)
+    lat = torch.randn(T, B, 3, 5, generator=g).to(dtype)
+    t = torch.linspace(1.0, 0.05, T).to(dtype)
+    up = torch.randn(T, B, 3, 5, generator=g).to(dtype)
+    from jagg_autograd import CosineRouter
+
+    out = {}
+    for backend in ("torch", "triton"):
+        v, st = jagg_trajectory(
+            model,
+            lat,
+            t,
+            window=4,
+            shared_anchors=shared,
+            backend=backend,
+            router=CosineRouter(0.5),
+            return_stats=True,
+        )
+        out[backend] = (params_grad((v.float() * up.float()).sum(), model), v.detach(), st)
+    gt, vt, st_t = out["triton"]
+    gr, vr, st_r = out["torch"]
+    assert torch.equal(vt, vr)
+    assert torch.equal(st_t.exact, st_r.exact)
+    torch.testing.assert_close(st_t.scores, st_r.scores, rtol=1e-5, atol=1e-5)
+    assert rel_err(gt.float(), gr.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_auto_on_cpu_uses_reference(monkeypatch):
+    import jagg_autograd.kernels.jagg_mix as km
+
+    def boom(*a, **k):
+        raise AssertionError("auto must not run the interpreted kernel on CPU")
+
+    monkeypatch.setattr(km, "jagg_mix_triton", boom)
+    lat = torch.randn(4, 2, 3)
+    model = MLPField(3, dtype=torch.float32)
+    jagg_window(model, lat, torch.linspace(1, 0, 4), backend="auto").sum().backward()
+
+
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        jagg_mix(
+            torch.randn(2, 1, 3),
+            torch.ones(2, 1),
+            torch.zeros(2, 1),
+            torch.tensor([0, 1]),
+            backend="triton",
+        )
