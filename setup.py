@@ -8,13 +8,20 @@ from setuptools import find_packages, setup
 
 _TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "triton>=3.0"]
 _DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", "transformers>=4.40", "accelerate>=0.34"]
-_DEMO = ["diffusers>=0.31", "transformers>=4.40", "safetensors>=0.4", "scikit-learn>=1.3", "matplotlib>=3.7", "tqdm>=4.60"]
+_DEMO = [
+    "diffusers>=0.31",
+    "transformers>=4.40",
+    "safetensors>=0.4",
+    "scikit-learn>=1.3",
+    "matplotlib>=3.7",
+    "tqdm>=4.60",
+]
 _BENCH = ["matplotlib>=3.7", "tqdm>=4.60"]
 
 setup(
     name="jagg-autograd",
     version="0.1.0",
-    description="JAGG: Jacobian-aggregated gradients for cheaper GRPO training of flow-matching DiTs",
+    description="JAGG: Jacobian-aggregated gradients for cheap GRPO on flow-matching DiTs",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

@@ -276,12 +276,12 @@ def _run_steps(
         return []
     if batching == "per_step":
         groups = [[k] for k in steps]
+    elif chunk_size is not None and chunk_size < caller.B:
+        # A chunk smaller than one step's batch: split every step's samples.
+        return _run_step_pieces(caller, steps, grad, chunk_size)
     else:
-        per = len(steps) if chunk_size is None else max(1, chunk_size // caller.B)
+        per = len(steps) if chunk_size is None else chunk_size // caller.B
         groups = _chunks(steps, per)
-        if chunk_size is not None and chunk_size < caller.B:
-            # A chunk smaller than one step's batch: split every step's samples.
-            return _run_step_pieces(caller, steps, grad, chunk_size)
     return [(g, caller.steps(g, grad)) for g in groups]
 
 
@@ -488,7 +488,8 @@ def jagg_window(
             the rollout's batch B, so values are bit-identical to a step-by-step rollout;
             a routed-out recomputation runs only the routed samples of a step).
         chunk_size: max samples per model call for the no-grad interior steps and the
-            exact recomputation (the anchor call is never split).
+            exact recomputation (the anchor call is never split; in mode="exact" it
+            bounds every call).
         return_stats: also return a :class:`JaggStats`.
 
     Returns:
