@@ -328,7 +328,6 @@ def _jagg_core(
     chunk_size: object,
     batched_cond: object,
     return_stats: bool,
-    single_window: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     mode = _check_choice("mode", mode, MODES)
     backend = check_backend(backend)
@@ -375,7 +374,7 @@ def _jagg_core(
             stats = JaggStats(
                 scores, exact, caller.grad_samples, caller.grad_calls, windows, anchors
             )
-        return _finish(out, stats, single_window)
+        return out if stats is None else (out, stats)
 
     # mode == "jagg" with grad: one forward with grad over all anchors (per_step: one
     # call per anchor), the interior under no_grad.
@@ -422,7 +421,7 @@ def _jagg_core(
     stats = None
     if return_stats:
         stats = JaggStats(scores, exact, caller.grad_samples, caller.grad_calls, windows, anchors)
-    return _finish(out, stats, single_window)
+    return out if stats is None else (out, stats)
 
 
 def _run_pairs_grad(
@@ -438,17 +437,6 @@ def _run_pairs_grad(
         cuts = [*range(0, n, per), n]
     parts = [caller.pairs(ks[lo:hi], bs[lo:hi], True) for lo, hi in zip(cuts[:-1], cuts[1:])]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _finish(
-    out: torch.Tensor, stats: JaggStats | None, single_window: bool
-) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
-    if stats is None:
-        return out
-    if single_window:
-        stats.scores = stats.scores[0]
-        stats.exact = stats.exact[0]
-    return out, stats
 
 
 # ------------------------------------------------------------------------------ public
@@ -505,22 +493,27 @@ def jagg_window(
     W = latents.shape[0]
     if W < 2:
         raise ValueError(f"a window needs W >= 2 steps, got latents with W={W}")
-    return _jagg_core(
+    # A window is the one-window trajectory: anchors [0, W-1], no shared boundary.
+    out = jagg_trajectory(
         model,
         latents,
         timesteps,
-        [0, W - 1],
-        [(0, W - 1)],
+        window=W,
         cond=cond,
         mode=mode,
         router=router,
         backend=backend,
         batching=batching,
         chunk_size=chunk_size,
-        batched_cond=batched_cond,
         return_stats=return_stats,
-        single_window=True,
+        batched_cond=batched_cond,
     )
+    if not return_stats:
+        return out
+    v, stats = out
+    stats.scores = stats.scores[0]
+    stats.exact = stats.exact[0]
+    return v, stats
 
 
 def jagg_trajectory(
@@ -573,7 +566,6 @@ def jagg_trajectory(
         chunk_size=chunk_size,
         batched_cond=batched_cond,
         return_stats=return_stats,
-        single_window=False,
     )
 
 
