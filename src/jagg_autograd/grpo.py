@@ -79,29 +79,25 @@ def _check_step_tensors(
         raise ValueError(
             f"velocity must have shape (B, *S) with B >= 1, got {tuple(velocity.shape)}"
         )
-    if sample.shape != velocity.shape:
-        raise ValueError(
-            f"sample must have the same shape as velocity {tuple(velocity.shape)}, "
-            f"got {tuple(sample.shape)}"
+    _check_like_velocity("sample", sample, velocity)
+    if prev_sample is not None:
+        _check_like_velocity(
+            "prev_sample", _check_float_tensor("prev_sample", prev_sample), velocity
         )
-    if sample.device != velocity.device:
+    return velocity, sample
+
+
+def _check_like_velocity(name: str, x: torch.Tensor, velocity: torch.Tensor) -> None:
+    if x.shape != velocity.shape:
         raise ValueError(
-            f"sample is on {sample.device} but velocity is on {velocity.device}; "
+            f"{name} must have the same shape as velocity {tuple(velocity.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    if x.device != velocity.device:
+        raise ValueError(
+            f"{name} is on {x.device} but velocity is on {velocity.device}; "
             "they must be on the same device"
         )
-    if prev_sample is not None:
-        prev_sample = _check_float_tensor("prev_sample", prev_sample)
-        if prev_sample.shape != velocity.shape:
-            raise ValueError(
-                f"prev_sample must have the same shape as velocity {tuple(velocity.shape)}, "
-                f"got {tuple(prev_sample.shape)}"
-            )
-        if prev_sample.device != velocity.device:
-            raise ValueError(
-                f"prev_sample is on {prev_sample.device} but velocity is on "
-                f"{velocity.device}; they must be on the same device"
-            )
-    return velocity, sample
 
 
 def _sigma_values(name: str, sigma: object, batch: int) -> np.ndarray:
@@ -202,6 +198,81 @@ def _gaussian_log_prob(
     return lp.reshape(lp.shape[0], -1).mean(dim=1)
 
 
+def _step_inputs(
+    velocity: object, sample: object, sigma: SigmaLike, sigma_next: SigmaLike
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(v, x, sig, sig_next)`` of a validated ODE step, in the compute dtype."""
+    velocity, sample = _check_step_tensors(velocity, sample)
+    dtype = _compute_dtype(velocity, sample)
+    _check_sigmas(sigma, sigma_next, velocity.shape[0], dtype)
+    return _step_views(velocity, sample, sigma, sigma_next, dtype)
+
+
+def _sde_step_inputs(
+    velocity: object,
+    sample: object,
+    sigma: SigmaLike,
+    sigma_next: SigmaLike,
+    noise_level: object,
+    sigma_max: object | None,
+    prev_sample: object | None,
+    generator: object | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``(v, x, sig, sig_next, eta)`` of a validated SDE step, in the compute dtype.
+
+    ``sigma_max`` is checked only when not None (the dance step passes None).
+    """
+    velocity, sample = _check_step_tensors(velocity, sample, prev_sample)
+    dtype = _compute_dtype(velocity, sample)
+    _check_sigmas(sigma, sigma_next, velocity.shape[0], dtype)
+    eta = _check_noise_level(noise_level)
+    if sigma_max is not None:
+        if not _is_real_number(sigma_max):
+            raise TypeError(f"sigma_max must be a float or None, got {type(sigma_max).__name__}")
+        if not (0.0 <= float(sigma_max) < 1.0):
+            raise ValueError(
+                f"sigma_max must satisfy 0 <= sigma_max < 1 (it is the schedule's second "
+                f"entry, sigmas[1]), got {sigma_max}"
+            )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return (*_step_views(velocity, sample, sigma, sigma_next, dtype), eta)
+
+
+def _step_views(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: SigmaLike,
+    sigma_next: SigmaLike,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``v``, ``x`` ``(B, *S)`` and ``sig``, ``sig_next`` ``(B, 1, ..., 1)`` in ``dtype``."""
+    batch, ndim, device = velocity.shape[0], velocity.ndim, velocity.device
+    v = velocity.to(dtype)
+    x = sample.to(dtype)
+    sig = _as_batch_view(sigma, batch, ndim, dtype, device)
+    sig_next = _as_batch_view(sigma_next, batch, ndim, dtype, device)
+    return v, x, sig, sig_next
+
+
+def _sde_result(
+    v: torch.Tensor,
+    prev_mean: torch.Tensor,
+    std: torch.Tensor,
+    std_dev_t: torch.Tensor,
+    prev_sample: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample ``x' = mu + s * xi`` (or take the given one, detached) and its log-prob."""
+    if prev_sample is None:
+        prev_sample = prev_mean + std * _draw_noise(v.shape, generator, v.dtype, v.device)
+    else:
+        prev_sample = prev_sample.detach().to(v.dtype)
+
+    log_prob = _gaussian_log_prob(prev_sample, prev_mean, std)
+    return prev_sample, log_prob, prev_mean, std_dev_t
+
+
 # --------------------------------------------------------------------------------------------
 # sampler steps
 # --------------------------------------------------------------------------------------------
@@ -280,27 +351,9 @@ def sde_step_with_logprob(
     if sde_type != "flow":
         raise ValueError(f"sde_type must be 'flow' or 'dance', got {sde_type!r}")
 
-    velocity, sample = _check_step_tensors(velocity, sample, prev_sample)
-    batch, ndim = velocity.shape[0], velocity.ndim
-    dtype = _compute_dtype(velocity, sample)
-    _check_sigmas(sigma, sigma_next, batch, dtype)
-    eta = _check_noise_level(noise_level)
-    if sigma_max is not None:
-        if not _is_real_number(sigma_max):
-            raise TypeError(f"sigma_max must be a float or None, got {type(sigma_max).__name__}")
-        if not (0.0 <= float(sigma_max) < 1.0):
-            raise ValueError(
-                f"sigma_max must satisfy 0 <= sigma_max < 1 (it is the schedule's second "
-                f"entry, sigmas[1]), got {sigma_max}"
-            )
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-
-    device = velocity.device
-    v = velocity.to(dtype)
-    x = sample.to(dtype)
-    sig = _as_batch_view(sigma, batch, ndim, dtype, device)
-    sig_next = _as_batch_view(sigma_next, batch, ndim, dtype, device)
+    v, x, sig, sig_next, eta = _sde_step_inputs(
+        velocity, sample, sigma, sigma_next, noise_level, sigma_max, prev_sample, generator
+    )
     dt = sig_next - sig
 
     at_one = sig == 1.0
@@ -313,14 +366,7 @@ def sde_step_with_logprob(
         x * (1.0 + eps2 / (2.0 * sig) * dt) + v * (1.0 + eps2 * (1.0 - sig) / (2.0 * sig)) * dt
     )
     std = std_dev_t * torch.sqrt(-dt)
-
-    if prev_sample is None:
-        prev_sample = prev_mean + std * _draw_noise(v.shape, generator, dtype, device)
-    else:
-        prev_sample = prev_sample.detach().to(dtype)
-
-    log_prob = _gaussian_log_prob(prev_sample, prev_mean, std)
-    return prev_sample, log_prob, prev_mean, std_dev_t
+    return _sde_result(v, prev_mean, std, std_dev_t, prev_sample, generator)
 
 
 def dance_sde_step_with_logprob(
@@ -351,33 +397,16 @@ def dance_sde_step_with_logprob(
     so :func:`kl_to_reference` applies unchanged. The default ``noise_level=0.3`` is
     DanceGRPO's. Dtype policy, gradients and errors as :func:`sde_step_with_logprob`.
     """
-    velocity, sample = _check_step_tensors(velocity, sample, prev_sample)
-    batch, ndim = velocity.shape[0], velocity.ndim
-    dtype = _compute_dtype(velocity, sample)
-    _check_sigmas(sigma, sigma_next, batch, dtype)
-    eta = _check_noise_level(noise_level)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-
-    device = velocity.device
-    v = velocity.to(dtype)
-    x = sample.to(dtype)
-    sig = _as_batch_view(sigma, batch, ndim, dtype, device)
-    sig_next = _as_batch_view(sigma_next, batch, ndim, dtype, device)
+    v, x, sig, sig_next, eta = _sde_step_inputs(
+        velocity, sample, sigma, sigma_next, noise_level, None, prev_sample, generator
+    )
     dt = sig_next - sig
 
     x0 = x - sig * v
     prev_mean = x + dt * (v + 0.5 * eta**2 * (x - (1.0 - sig) * x0) / sig**2)
     std_dev_t = torch.full_like(sig, eta)
     std = std_dev_t * torch.sqrt(sig - sig_next)
-
-    if prev_sample is None:
-        prev_sample = prev_mean + std * _draw_noise(v.shape, generator, dtype, device)
-    else:
-        prev_sample = prev_sample.detach().to(dtype)
-
-    log_prob = _gaussian_log_prob(prev_sample, prev_mean, std)
-    return prev_sample, log_prob, prev_mean, std_dev_t
+    return _sde_result(v, prev_mean, std, std_dev_t, prev_sample, generator)
 
 
 def ode_step(
@@ -393,16 +422,9 @@ def ode_step(
     dtype (float32, or float64 for float64 input). Same sigma rules and errors as
     :func:`sde_step_with_logprob`; this is its ``noise_level -> 0`` limit.
     """
-    velocity, sample = _check_step_tensors(velocity, sample)
-    batch, ndim = velocity.shape[0], velocity.ndim
-    dtype = _compute_dtype(velocity, sample)
-    _check_sigmas(sigma, sigma_next, batch, dtype)
-
-    device = velocity.device
-    dt = _as_batch_view(sigma_next, batch, ndim, dtype, device) - _as_batch_view(
-        sigma, batch, ndim, dtype, device
-    )
-    return sample.to(dtype) + dt * velocity.to(dtype)
+    v, x, sig, sig_next = _step_inputs(velocity, sample, sigma, sigma_next)
+    dt = sig_next - sig
+    return x + dt * v
 
 
 # --------------------------------------------------------------------------------------------

@@ -141,6 +141,23 @@ def _as_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
+def _checked_config(transformer: nn.Module, cls: type) -> Any:
+    """``transformer``'s diffusers config; TypeError unless it (unwrapped) is a ``cls``."""
+    base = _unwrap(transformer)
+    if not isinstance(base, cls):
+        raise TypeError(
+            f"transformer must be a diffusers {cls.__name__}, got {type(base).__name__}"
+        )
+    return base.config  # type: ignore[attr-defined]
+
+
+def _float_latents(z: object) -> torch.Tensor:
+    z = _as_tensor(z, "z")
+    if not z.dtype.is_floating_point:
+        raise TypeError(f"z must be a floating-point tensor, got {z.dtype}")
+    return z
+
+
 def _batch(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
     """``x`` with dim 0 of size ``n`` (a size-1 dim 0 is broadcast, e.g. a shared negative)."""
     if x.ndim == 0:
@@ -222,6 +239,105 @@ class _VelocityBase(nn.Module):
             out = self.transformer(**kwargs, return_dict=False)[0]
         return out.to(out_dtype)
 
+    @staticmethod
+    def _prompt_pair(
+        encoder_hidden_states: object, pooled_projections: object, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt conditioning as tensors with dim 0 of size ``n``."""
+        ehs = _batch(
+            _as_tensor(encoder_hidden_states, "encoder_hidden_states"), n, "encoder_hidden_states"
+        )
+        pooled = _batch(
+            _as_tensor(pooled_projections, "pooled_projections"), n, "pooled_projections"
+        )
+        return ehs, pooled
+
+    def _negative_pair(
+        self,
+        negative_encoder_hidden_states: object | None,
+        negative_pooled_projections: object | None,
+        ehs: torch.Tensor,
+        pooled: torch.Tensor,
+        ehs_hint: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CFG negatives, checked against the positives ``ehs`` / ``pooled`` (``(n, ...)``).
+
+        ``ehs_hint`` is the parenthesised advice in the token-shape mismatch message.
+        """
+        if negative_encoder_hidden_states is None or negative_pooled_projections is None:
+            raise ValueError(
+                "negative_encoder_hidden_states and negative_pooled_projections are required "
+                f"when guidance_scale={self.guidance_scale} (classifier-free guidance)"
+            )
+        n = ehs.shape[0]
+        neg_ehs = _batch(
+            _as_tensor(negative_encoder_hidden_states, "negative_encoder_hidden_states"),
+            n,
+            "negative_encoder_hidden_states",
+        )
+        neg_pooled = _batch(
+            _as_tensor(negative_pooled_projections, "negative_pooled_projections"),
+            n,
+            "negative_pooled_projections",
+        )
+        if neg_ehs.shape[1:] != ehs.shape[1:]:
+            raise ValueError(
+                "negative_encoder_hidden_states must match encoder_hidden_states' shape "
+                f"{tuple(ehs.shape[1:])} after the batch dim ({ehs_hint}), got "
+                f"{tuple(neg_ehs.shape[1:])}"
+            )
+        if neg_pooled.shape[1:] != pooled.shape[1:]:
+            raise ValueError(
+                "negative_pooled_projections must match pooled_projections' shape "
+                f"{tuple(pooled.shape[1:])} after the batch dim, got "
+                f"{tuple(neg_pooled.shape[1:])}"
+            )
+        return neg_ehs, neg_pooled
+
+    def _velocity(
+        self,
+        z: torch.Tensor,
+        t: torch.Tensor,
+        ehs: torch.Tensor,
+        pooled: torch.Tensor,
+        negative_encoder_hidden_states: object | None,
+        negative_pooled_projections: object | None,
+        *,
+        dt: torch.dtype | None,
+        ehs_hint: str,
+        per_sample: Mapping[str, torch.Tensor | None],
+        **kw: Any,
+    ) -> torch.Tensor:
+        """One transformer call: on ``z``, or with CFG on ``[uncond; cond]`` combined.
+
+        ``per_sample`` are extra transformer inputs with one row per sample (doubled for CFG;
+        None stays None); ``kw`` go to the transformer as they are.
+        """
+        if not self.uses_cfg:
+            return self._run(
+                z,
+                hidden_states=_cast(z, dt),
+                encoder_hidden_states=_cast(ehs, dt),
+                pooled_projections=_cast(pooled, dt),
+                timestep=t * self.timestep_scale,
+                **per_sample,
+                **kw,
+            )
+        neg_ehs, neg_pooled = self._negative_pair(
+            negative_encoder_hidden_states, negative_pooled_projections, ehs, pooled, ehs_hint
+        )
+        both = self._run(
+            z,
+            hidden_states=_cast(torch.cat([z, z]), dt),
+            encoder_hidden_states=_cast(torch.cat([neg_ehs, ehs]), dt),
+            pooled_projections=_cast(torch.cat([neg_pooled, pooled]), dt),
+            timestep=torch.cat([t, t]) * self.timestep_scale,
+            **{k: None if x is None else torch.cat([x, x]) for k, x in per_sample.items()},
+            **kw,
+        )
+        v_u, v_c = both.chunk(2)
+        return _cfg_combine(v_u, v_c, self.guidance_scale)  # type: ignore[arg-type]
+
     def extra_repr(self) -> str:
         return (
             f"guidance_scale={self.guidance_scale}, timestep_scale={self.timestep_scale}, "
@@ -261,13 +377,8 @@ class SD3Velocity(_VelocityBase):
     ) -> None:
         from diffusers import SD3Transformer2DModel
 
-        if not isinstance(_unwrap(transformer), SD3Transformer2DModel):
-            raise TypeError(
-                "transformer must be a diffusers SD3Transformer2DModel, got "
-                f"{type(_unwrap(transformer)).__name__}"
-            )
+        cfg = _checked_config(transformer, SD3Transformer2DModel)
         super().__init__(transformer, guidance_scale, timestep_scale, autocast_dtype, output_dtype)
-        cfg = _unwrap(transformer).config  # type: ignore[attr-defined]
         self.in_channels = int(cfg.in_channels)
         self.patch_size = int(cfg.patch_size)
 
@@ -293,9 +404,7 @@ class SD3Velocity(_VelocityBase):
         Returns:
             ``(N, C, H, W)`` velocity in ``output_dtype`` (default ``z.dtype``).
         """
-        z = _as_tensor(z, "z")
-        if not z.dtype.is_floating_point:
-            raise TypeError(f"z must be a floating-point tensor, got {z.dtype}")
+        z = _float_latents(z)
         if z.ndim != 4 or z.shape[1] != self.in_channels:
             raise ValueError(
                 f"z must have shape (N, {self.in_channels}, H, W), got {tuple(z.shape)}"
@@ -307,60 +416,19 @@ class SD3Velocity(_VelocityBase):
             )
         n = z.shape[0]
         t = _timesteps(t, n)
-        ehs = _batch(
-            _as_tensor(encoder_hidden_states, "encoder_hidden_states"), n, "encoder_hidden_states"
-        )
-        pooled = _batch(
-            _as_tensor(pooled_projections, "pooled_projections"), n, "pooled_projections"
-        )
-        dt = self._input_dtype()
-        kw: dict[str, Any] = {"joint_attention_kwargs": joint_attention_kwargs}
-        if not self.uses_cfg:
-            return self._run(
-                z,
-                hidden_states=_cast(z, dt),
-                encoder_hidden_states=_cast(ehs, dt),
-                pooled_projections=_cast(pooled, dt),
-                timestep=t * self.timestep_scale,
-                **kw,
-            )
-        if negative_encoder_hidden_states is None or negative_pooled_projections is None:
-            raise ValueError(
-                "negative_encoder_hidden_states and negative_pooled_projections are required "
-                f"when guidance_scale={self.guidance_scale} (classifier-free guidance)"
-            )
-        neg_ehs = _batch(
-            _as_tensor(negative_encoder_hidden_states, "negative_encoder_hidden_states"),
-            n,
-            "negative_encoder_hidden_states",
-        )
-        neg_pooled = _batch(
-            _as_tensor(negative_pooled_projections, "negative_pooled_projections"),
-            n,
-            "negative_pooled_projections",
-        )
-        if neg_ehs.shape[1:] != ehs.shape[1:]:
-            raise ValueError(
-                "negative_encoder_hidden_states must match encoder_hidden_states' shape "
-                f"{tuple(ehs.shape[1:])} after the batch dim (pad the prompts to one "
-                f"length), got {tuple(neg_ehs.shape[1:])}"
-            )
-        if neg_pooled.shape[1:] != pooled.shape[1:]:
-            raise ValueError(
-                "negative_pooled_projections must match pooled_projections' shape "
-                f"{tuple(pooled.shape[1:])} after the batch dim, got "
-                f"{tuple(neg_pooled.shape[1:])}"
-            )
-        both = self._run(
+        ehs, pooled = self._prompt_pair(encoder_hidden_states, pooled_projections, n)
+        return self._velocity(
             z,
-            hidden_states=_cast(torch.cat([z, z]), dt),
-            encoder_hidden_states=_cast(torch.cat([neg_ehs, ehs]), dt),
-            pooled_projections=_cast(torch.cat([neg_pooled, pooled]), dt),
-            timestep=torch.cat([t, t]) * self.timestep_scale,
-            **kw,
+            t,
+            ehs,
+            pooled,
+            negative_encoder_hidden_states,
+            negative_pooled_projections,
+            dt=self._input_dtype(),
+            ehs_hint="pad the prompts to one length",
+            per_sample={},
+            joint_attention_kwargs=joint_attention_kwargs,
         )
-        v_u, v_c = both.chunk(2)
-        return _cfg_combine(v_u, v_c, self.guidance_scale)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,13 +525,8 @@ class FluxVelocity(_VelocityBase):
     ) -> None:
         from diffusers import FluxTransformer2DModel
 
-        if not isinstance(_unwrap(transformer), FluxTransformer2DModel):
-            raise TypeError(
-                "transformer must be a diffusers FluxTransformer2DModel, got "
-                f"{type(_unwrap(transformer)).__name__}"
-            )
+        cfg = _checked_config(transformer, FluxTransformer2DModel)
         super().__init__(transformer, guidance_scale, timestep_scale, autocast_dtype, output_dtype)
-        cfg = _unwrap(transformer).config  # type: ignore[attr-defined]
         self.in_channels = int(cfg.in_channels)
         self.guidance_embeds = bool(cfg.guidance_embeds)
         self.guidance = _check_scale(guidance, "guidance")
@@ -515,9 +578,7 @@ class FluxVelocity(_VelocityBase):
         Returns:
             ``(N, L, C)`` velocity in ``output_dtype`` (default ``z.dtype``).
         """
-        z = _as_tensor(z, "z")
-        if not z.dtype.is_floating_point:
-            raise TypeError(f"z must be a floating-point tensor, got {z.dtype}")
+        z = _float_latents(z)
         if z.ndim != 3 or z.shape[2] != self.in_channels:
             raise ValueError(
                 f"z must be packed latents of shape (N, L, {self.in_channels}), got "
@@ -525,71 +586,27 @@ class FluxVelocity(_VelocityBase):
             )
         n = z.shape[0]
         t = _timesteps(t, n)
-        ehs = _batch(
-            _as_tensor(encoder_hidden_states, "encoder_hidden_states"), n, "encoder_hidden_states"
-        )
-        pooled = _batch(
-            _as_tensor(pooled_projections, "pooled_projections"), n, "pooled_projections"
-        )
+        ehs, pooled = self._prompt_pair(encoder_hidden_states, pooled_projections, n)
         if ehs.ndim != 3:
             raise ValueError(f"encoder_hidden_states must be (N, T, D), got {tuple(ehs.shape)}")
         img = _ids(img_ids, z.shape[1], "img_ids")
         txt = _ids(txt_ids, ehs.shape[1], "txt_ids")
         g = self._guidance(guidance, n, t)
         dt = self._input_dtype()
-        kw: dict[str, Any] = {
-            "img_ids": _cast(img, dt),
-            "txt_ids": _cast(txt, dt),
-            "joint_attention_kwargs": joint_attention_kwargs,
-        }
-        if not self.uses_cfg:
-            return self._run(
-                z,
-                hidden_states=_cast(z, dt),
-                encoder_hidden_states=_cast(ehs, dt),
-                pooled_projections=_cast(pooled, dt),
-                timestep=t * self.timestep_scale,
-                guidance=g,
-                **kw,
-            )
-        if negative_encoder_hidden_states is None or negative_pooled_projections is None:
-            raise ValueError(
-                "negative_encoder_hidden_states and negative_pooled_projections are required "
-                f"when guidance_scale={self.guidance_scale} (classifier-free guidance)"
-            )
-        neg_ehs = _batch(
-            _as_tensor(negative_encoder_hidden_states, "negative_encoder_hidden_states"),
-            n,
-            "negative_encoder_hidden_states",
-        )
-        neg_pooled = _batch(
-            _as_tensor(negative_pooled_projections, "negative_pooled_projections"),
-            n,
-            "negative_pooled_projections",
-        )
-        if neg_ehs.shape[1:] != ehs.shape[1:]:
-            raise ValueError(
-                "negative_encoder_hidden_states must match encoder_hidden_states' shape "
-                f"{tuple(ehs.shape[1:])} after the batch dim (one txt_ids table serves both "
-                f"branches), got {tuple(neg_ehs.shape[1:])}"
-            )
-        if neg_pooled.shape[1:] != pooled.shape[1:]:
-            raise ValueError(
-                "negative_pooled_projections must match pooled_projections' shape "
-                f"{tuple(pooled.shape[1:])} after the batch dim, got "
-                f"{tuple(neg_pooled.shape[1:])}"
-            )
-        both = self._run(
+        return self._velocity(
             z,
-            hidden_states=_cast(torch.cat([z, z]), dt),
-            encoder_hidden_states=_cast(torch.cat([neg_ehs, ehs]), dt),
-            pooled_projections=_cast(torch.cat([neg_pooled, pooled]), dt),
-            timestep=torch.cat([t, t]) * self.timestep_scale,
-            guidance=None if g is None else torch.cat([g, g]),
-            **kw,
+            t,
+            ehs,
+            pooled,
+            negative_encoder_hidden_states,
+            negative_pooled_projections,
+            dt=dt,
+            ehs_hint="one txt_ids table serves both branches",
+            per_sample={"guidance": g},
+            img_ids=_cast(img, dt),
+            txt_ids=_cast(txt, dt),
+            joint_attention_kwargs=joint_attention_kwargs,
         )
-        v_u, v_c = both.chunk(2)
-        return _cfg_combine(v_u, v_c, self.guidance_scale)  # type: ignore[arg-type]
 
 
 UNBATCHED_COND: frozenset[str] = frozenset({"img_ids", "txt_ids", "joint_attention_kwargs"})
