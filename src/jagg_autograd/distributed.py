@@ -1,0 +1,233 @@
+"""Gradient synchronisation once per optimizer step, not once per JAGG window.
+
+JAGG already turns a window's W backward passes into one.  Under data parallelism each
+backward normally also triggers a gradient all-reduce (DDP) or reduce-scatter (FSDP); when
+an optimizer step accumulates several windows (one ``loss.backward()`` per window, to keep
+only one window's activations alive), all but the last of those collectives are wasted.
+The helpers here make the cheap path the easy one:
+
+* :func:`accumulate_windows` -- iterate over the windows of one optimizer step; every
+  window but the last runs with gradient sync off (DDP/FSDP1 ``no_sync()``, FSDP2
+  ``set_requires_gradient_sync(False)``), so the step does exactly one sync.
+* :func:`sync_last` / :func:`gradient_sync` -- the same as context managers, for loops
+  that are not a simple ``range``.
+* :class:`AllReduceCounter` -- a DDP communication hook that counts the gradient
+  all-reduces (buckets) per backward, to check the claim on your own model.
+* :func:`check_ddp_for_jagg` -- flags DDP settings under which JAGG's data-dependent
+  forward calls can desynchronise collectives across ranks.
+
+Typical use (DDP; ``windows`` are slices of a rollout, see docs/distributed.md)::
+
+    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+    for lat, ts, adv in loader:
+        for i in accumulate_windows(ddp, len(windows)):
+            lo, hi = windows[i]
+            v = jagg_window(ddp, lat[lo:hi], ts[lo:hi], router=CosineRouter(0.9))
+            (loss_fn(v, adv) / len(windows)).backward()   # synced only at i == last
+        opt.step(); opt.zero_grad()
+
+The one-backward-per-step alternative needs no helper: ``jagg_trajectory`` over the
+whole trajectory (or the sum of several ``jagg_window`` losses) followed by a single
+``backward()`` already syncs once.
+
+Why the forward pass matters: DDP decides whether a backward will all-reduce when the
+*forward* runs (``no_sync`` is read in the forward).  JAGG calls the model several times per
+window (the anchors with grad, the interior steps under ``no_grad``, and -- only on ranks
+whose router sent samples to the exact gradient -- a with-grad recomputation), so the
+whole ``jagg_window`` call of a non-final window must be inside the ``no_sync`` region, and
+the final window's call outside it.  :func:`accumulate_windows` does exactly that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AllReduceCounter",
+    "accumulate_windows",
+    "check_ddp_for_jagg",
+    "gradient_sync",
+    "sync_last",
+]
+
+
+def _is_ddp(model: object) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def _is_fsdp2(model: object) -> bool:
+    # fully_shard() swaps the module's class for an FSDPModule subclass.
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _is_fsdp1(model: object) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
+    """Turn gradient synchronisation of ``model``'s backward on or off inside the block.
+
+    ``model`` may be a ``DistributedDataParallel`` or FSDP1 wrapper (uses ``no_sync()``),
+    an FSDP2 ``fully_shard``-ed module (uses ``set_requires_gradient_sync``; restored to
+    ``True`` on exit), any object with a ``no_sync()`` context manager (e.g. an
+    accelerate-prepared model), or a plain module (no-op).  ``enabled=True`` is a no-op.
+
+    DDP reads the flag at *forward* time: run the model's forward (the ``jagg_window`` /
+    ``jagg_trajectory`` call) inside the block; the backward may run inside or after it.
+    FSDP2 reads it in backward: keep the backward inside the block too.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    if enabled:
+        yield
+        return
+    if _is_fsdp2(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+        return
+    no_sync = getattr(model, "no_sync", None)
+    if _is_ddp(model) or _is_fsdp1(model) or callable(no_sync):
+        with model.no_sync():
+            yield
+        return
+    yield
+
+
+def sync_last(model: Any, index: int, n_windows: int) -> contextlib.AbstractContextManager[None]:
+    """Context manager for window ``index`` of ``n_windows``: sync only when it is the last.
+
+    Equivalent to ``gradient_sync(model, enabled=(index == n_windows - 1))``.
+    """
+    _check_count(n_windows)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_windows:
+        raise ValueError(f"index must be an int in [0, {n_windows}), got {index!r}")
+    return gradient_sync(model, enabled=index == n_windows - 1)
+
+
+def accumulate_windows(model: Any, n_windows: int) -> Iterator[int]:
+    """Yield ``0 .. n_windows-1``; the loop body runs with gradient sync off except the last.
+
+    Put one window's forward (``jagg_window``/``jagg_trajectory`` on ``model``) AND its
+    ``backward()`` in the loop body; after the loop the gradients of all windows are
+    accumulated and synchronised exactly once (one DDP all-reduce per bucket, one FSDP
+    reduce-scatter per parameter group), so the optimizer step can follow.  Leaving the
+    loop early (``break``/exception) restores sync; the accumulated gradients are then
+    local to each rank and should be zeroed.
+
+    Scale each window's loss by ``1 / n_windows`` (or by the step's sample count) yourself:
+    this helper changes when gradients are communicated, never their values.
+    """
+    _check_count(n_windows)
+    for i in range(n_windows):
+        with gradient_sync(model, enabled=i == n_windows - 1):
+            yield i
+
+
+def _check_count(n_windows: object) -> None:
+    if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
+        raise ValueError(f"n_windows must be a positive int, got {n_windows!r}")
+
+
+class AllReduceCounter:
+    """A DDP communication hook that all-reduces (mean) like the default and counts buckets.
+
+    ``counter = AllReduceCounter.register(ddp_model)`` installs it (DDP allows one comm hook
+    per model, registered before the first backward).  ``counter.calls`` is the total number
+    of bucket all-reduces so far; ``counter.numel`` the number of gradient elements sent.
+    Compare ``calls`` before and after an optimizer step to measure syncs per step.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.numel = 0
+
+    @classmethod
+    def register(cls, ddp_model: nn.parallel.DistributedDataParallel) -> AllReduceCounter:
+        """Create a counter and register it as ``ddp_model``'s communication hook."""
+        if not _is_ddp(ddp_model):
+            raise TypeError(f"expected a DistributedDataParallel, got {type(ddp_model).__name__}")
+        counter = cls()
+        ddp_model.register_comm_hook(counter, _counting_allreduce_hook)
+        return counter
+
+    def reset(self) -> None:
+        """Zero the counts."""
+        self.calls = 0
+        self.numel = 0
+
+
+def _counting_allreduce_hook(
+    state: AllReduceCounter, bucket: torch.distributed.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.calls += 1
+    state.numel += bucket.buffer().numel()
+    return allreduce_hook(None, bucket)
+
+
+# DDP inspects the hook's annotations and rejects the strings that
+# ``from __future__ import annotations`` leaves there: give it the real objects.
+_counting_allreduce_hook.__annotations__ = {
+    "state": AllReduceCounter,
+    "bucket": torch.distributed.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def check_ddp_for_jagg(
+    model: nn.parallel.DistributedDataParallel, *, router: object = None
+) -> list[str]:
+    """Warn about DDP settings that can desynchronise ranks under JAGG; return the messages.
+
+    * buffer sync on (``forward_sync_buffers=True``, formerly ``broadcast_buffers``) with
+      buffers and a router: DDP broadcasts buffers in a
+      forward that follows a with-grad forward.  The router's exact recomputation is an extra
+      with-grad forward on only the ranks that routed samples, so ranks disagree on
+      whether the next forward broadcasts: a collective mismatch (hang or wrong buffers).
+      Use ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before torch 2.13;
+      DiT buffers are usually constants) or no router.
+    * ``static_graph=True``: JAGG may call the model a data-dependent number of times
+      with grad before one backward; DDP's static-graph mode assumes a fixed graph.
+    """
+    msgs: list[str] = []
+    if not _is_ddp(model):
+        return msgs
+    has_buffers = any(True for _ in model.module.buffers())
+    # torch >= 2.13 calls it forward_sync_buffers (broadcast_buffers is deprecated).
+    sync_bufs = getattr(model, "forward_sync_buffers", None)
+    if sync_bufs is None:
+        sync_bufs = getattr(model, "broadcast_buffers", True)
+    if router is not None and sync_bufs and has_buffers:
+        msgs.append(
+            "DDP buffer sync (forward_sync_buffers/broadcast_buffers) with module buffers and "
+            "a JAGG router: ranks that recompute routed-out samples make an extra forward, "
+            "which can desynchronise the buffer broadcast; pass forward_sync_buffers=False "
+            "(broadcast_buffers=False before torch 2.13) to DistributedDataParallel"
+        )
+    if getattr(model, "static_graph", False):
+        msgs.append(
+            "DDP(static_graph=True): JAGG's number of with-grad forwards per backward is "
+            "data dependent with a router; use static_graph=False"
+        )
+    for m in msgs:
+        warnings.warn(m, RuntimeWarning, stacklevel=2)
+    return msgs
