@@ -174,3 +174,32 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
             torch.tensor([0, 1]),
             backend="triton",
         )
+
+
+def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
+    """Registered as torch.library ops: fake shapes check out, and a compiled caller
+    captures the kernel as one node (fullgraph=True fails on any graph break)."""
+    from jagg_autograd._custom_ops import cosine_route_partials_op, jagg_mix_op
+
+    T, B, N = 7, 2, 37
+    grad = torch.randn(T, B, N)
+    wc, wn = _weights(T, B, [0, 3, 6], torch.Generator().manual_seed(0))
+    a = torch.tensor([0, 3, 6])
+    torch.library.opcheck(jagg_mix_op, (grad, wc.float(), wn.float(), a))
+    v, alpha = torch.randn(T, B, N), torch.rand(T, B)
+    lr = (torch.tensor([0, 3]), torch.tensor([3, 6]))
+    torch.library.opcheck(cosine_route_partials_op, (v, alpha, *lr))
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=counting, fullgraph=True)
+    def step(g, w1, w2, anchors):
+        return jagg_mix_op(g * 2, w1, w2, anchors) + 1
+
+    out = step(grad, wc.float(), wn.float(), a)
+    assert len(graphs) == 1
+    torch.testing.assert_close(out, jagg_mix_ref(grad * 2, wc, wn, a) + 1, rtol=1e-5, atol=1e-5)

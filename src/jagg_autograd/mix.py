@@ -82,7 +82,7 @@ def _jagg_mix_unchecked(
     # The autograd Function builds its arguments itself; skipping the checks there keeps
     # the backward free of host syncs.
     if resolve_backend(backend, grad.device, grad.dtype) == "triton":
-        from jagg_autograd.kernels.jagg_mix import jagg_mix_triton
+        from jagg_autograd._custom_ops import jagg_mix_op
 
-        return jagg_mix_triton(grad, w_cur, w_nxt, anchors.to(grad.device))
+        return jagg_mix_op(grad, w_cur, w_nxt, anchors.to(grad.device))
     return jagg_mix_ref(grad, w_cur, w_nxt, anchors)

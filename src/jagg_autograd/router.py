@@ -78,10 +78,10 @@ def cosine_route(
     if velocities.dim() != 3 or tuple(alpha.shape) != tuple(velocities.shape[:2]):
         raise ValueError("velocities must be (T, B, N) and alpha (T, B)")
     if resolve_backend(backend, velocities.device, velocities.dtype) == "triton":
-        from jagg_autograd.kernels.cosine_route import cosine_route_triton
+        from jagg_autograd._custom_ops import cosine_route_partials_op
 
         dev = velocities.device
-        part = cosine_route_triton(
+        part = cosine_route_partials_op(
             velocities,
             alpha,
             torch.tensor(left, dtype=torch.int64, device=dev),
