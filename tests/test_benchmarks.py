@@ -1,0 +1,76 @@
+"""The benchmark harness runs end to end on a tiny configuration and writes well-formed
+JSON, markdown and PNGs.  No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the harness uses the "auto" backend: torch on CPU
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--no-progress", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    return out
+
+
+def test_json_is_well_formed(tiny_run: Path) -> None:
+    res = json.loads((tiny_run / "results.json").read_text())
+    for key in ("torch", "triton", "git_commit", "platform", "device"):
+        assert key in res["machine"]
+    kinds = {r["kind"] for r in res["timing"]}
+    assert kinds == {"window", "trajectory"}
+    for rec in res["timing"]:
+        for name, t in rec["times"].items():
+            assert set(t) == {"fwd", "bwd", "step"}, name
+            assert all(v > 0 for v in t.values()), name
+        assert rec["memory"]["jagg"]["saved_bytes"] > 0
+        assert {"exact_per_step", "exact_batched", "jagg", "jagg_router", "subsample"} <= set(
+            rec["times"]
+        )
+    traj = next(r for r in res["timing"] if r["kind"] == "trajectory")
+    assert "jagg_shared" in traj["times"]
+    fid = res["fidelity"]["results"]
+    # W = 2 windows have no interior step: JAGG is exact there.
+    assert fid["window/W2/jagg"]["cos"]["mean"] == pytest.approx(1.0, abs=1e-6)
+    for key, d in fid.items():
+        assert -1.0 - 1e-9 <= d["cos"]["mean"] <= 1.0 + 1e-9, key
+    assert {t["target"] for t in res["targets"]}
+    assert res["kernels"]
+
+
+def test_saved_bytes_follow_the_anchor_count(tiny_run: Path) -> None:
+    """Exact, not timing: JAGG keeps 2 of W steps' activations (up to small extras)."""
+    res = json.loads((tiny_run / "results.json").read_text())
+    w = next(r for r in res["timing"] if r["kind"] == "window")
+    ratio = w["memory"]["jagg"]["saved_bytes"] / w["memory"]["exact_batched"]["saved_bytes"]
+    assert ratio == pytest.approx(2 / w["W"], abs=0.05)
+
+
+def test_markdown_and_plots(tiny_run: Path) -> None:
+    md = (tiny_run / "RESULTS.md").read_text()
+    assert md.startswith("## Results")
+    assert "| target | limit | measured | floor | met |" in md
+    for name in ("time_ratio_vs_W.png", "saved_bytes_vs_W.png", "grad_cosine_vs_W.png"):
+        data = (tiny_run / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000, name
+        assert name in md
