@@ -496,8 +496,10 @@ def train(
         "eval": {},
         "out": str(out) if out is not None else None,
     }
-    if config.eval_per_digit:
-        log["eval"]["initial"] = evaluate(
+
+    def fixed_noise_eval() -> dict[str, Any]:
+        # Same noise seed before and after training: the difference is the policy's.
+        return evaluate(
             model,
             classifier,
             sigmas,
@@ -505,6 +507,9 @@ def train(
             noise_level=config.noise_level,
             seed=eval_seed,
         )
+
+    if config.eval_per_digit:
+        log["eval"]["initial"] = fixed_noise_eval()
 
     bar = None
     if config.progress:
@@ -535,14 +540,7 @@ def train(
             bar.close()
 
     if config.eval_per_digit:
-        log["eval"]["final"] = evaluate(
-            model,
-            classifier,
-            sigmas,
-            per_digit=config.eval_per_digit,
-            noise_level=config.noise_level,
-            seed=eval_seed,
-        )
+        log["eval"]["final"] = fixed_noise_eval()
     log["rollout_seconds"] = rollout_total
     log["train_seconds"] = train_total
     log["total_seconds"] = time.perf_counter() - t_start
