@@ -32,6 +32,10 @@ PY
   nvidia-smi --query-gpu=name,memory.total,clocks.max.mem --format=csv > "$OUT_DIR/nvidia_smi.csv" 2>&1 || true
   timeout 180 python -m pytest -q -x tests/test_kernels_aot.py > "$OUT_DIR/pytest_aot.txt" 2>&1
   rc_aot=$?
+  # The kernel-vs-reference tests, compiled (not interpreted) on CUDA tensors.
+  JAGG_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout 240 python -m pytest -q \
+      tests/test_kernels.py -k "matches_reference or non_contiguous" >> "$OUT_DIR/pytest_aot.txt" 2>&1
+  rc_aot=$(( rc_aot | $? ))
   TRITON_INTERPRET=0 timeout 120 python -m benchmarks.gpu_kernels --out "$OUT_DIR"
   rc_kern=$?
   timeout 240 python -m benchmarks.run --gpu --device cuda --no-fidelity --no-progress \

@@ -3,7 +3,9 @@
 import os
 
 # Must be set before triton is imported anywhere: on CPU the kernels only run interpreted.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# JAGG_TEST_DEVICE=cuda (benchmarks/gpu_check.sh) runs the kernel tests compiled instead.
+if os.environ.get("JAGG_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -6,6 +6,8 @@ outputs, and the public API with backend="triton" against backend="torch".
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from fields import MLPField, params_grad, rel_err
@@ -16,6 +18,8 @@ from jagg_autograd.router import cosine_route, cosine_route_ref
 triton = pytest.importorskip("triton")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The kernel-vs-reference tests run interpreted on CPU, compiled with JAGG_TEST_DEVICE=cuda.
+DEV = torch.device(os.environ.get("JAGG_TEST_DEVICE", "cpu"))
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
@@ -50,9 +54,9 @@ LAYOUTS = [
 @pytest.mark.parametrize("B,N", [(1, 1), (3, 63), (2, 100), (5, 1025)])
 def test_mix_kernel_matches_reference(dtype, T, anchors, B, N):
     g = torch.Generator().manual_seed(T * 100 + N)
-    grad = torch.randn(T, B, N, generator=g).to(dtype)
-    wc, wn = _weights(T, B, anchors, g)
-    a = torch.tensor(anchors)
+    grad = torch.randn(T, B, N, generator=g).to(DEV, dtype)
+    wc, wn = (w.to(DEV) for w in _weights(T, B, anchors, g))
+    a = torch.tensor(anchors, device=DEV)
     got = jagg_mix(grad, wc, wn, a, backend="triton")
     want = jagg_mix_ref(grad, wc, wn, a)
     assert got.dtype == dtype and got.shape == (len(anchors), B, N)
@@ -65,10 +69,12 @@ def test_mix_kernel_non_contiguous_and_expanded(dtype):
     T, B, N = 6, 3, 123
     g = torch.Generator().manual_seed(0)
     wc, wn = _weights(T, B, [0, 2, 5], g)
-    a = torch.tensor([0, 2, 5])
-    permuted = torch.randn(B, N, T, generator=g).to(dtype).permute(2, 0, 1)
-    expanded = torch.randn(1, 1, 1, generator=g).to(dtype).expand(T, B, N)
-    for grad in (permuted, expanded, torch.randn(T, B, 2 * N, generator=g).to(dtype)[..., ::2]):
+    wc, wn = wc.to(DEV), wn.to(DEV)
+    a = torch.tensor([0, 2, 5], device=DEV)
+    permuted = torch.randn(B, N, T, generator=g).to(DEV, dtype).permute(2, 0, 1)
+    expanded = torch.randn(1, 1, 1, generator=g).to(DEV, dtype).expand(T, B, N)
+    sliced = torch.randn(T, B, 2 * N, generator=g).to(DEV, dtype)[..., ::2]
+    for grad in (permuted, expanded, sliced):
         assert not grad.is_contiguous()
         got = jagg_mix(grad, wc, wn, a, backend="triton")
         torch.testing.assert_close(
@@ -109,7 +115,7 @@ def test_route_kernel_matches_reference(dtype, B, N):
     v = ((1 - a[..., None]) * base[0] + a[..., None] * base[1]) + 0.3 * torch.randn(
         T, B, N, generator=g
     )
-    v = v.to(dtype)
+    v, a = v.to(DEV, dtype), a.to(DEV)
     left, right = [0, 3, 4, 8], [3, 4, 8, 9]
     got = cosine_route(v, a, left, right, backend="triton")
     want = cosine_route_ref(v, a, left, right)
