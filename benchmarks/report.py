@@ -226,6 +226,22 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _style_axes(ax: Any, ylabel: str, title: str) -> None:
+    """The look every W-sweep plot shares."""
+    ax.set_xlabel("window W")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plots(res: dict[str, Any], out: Path) -> list[str]:
     """Write the three PNGs into ``out``; return their file names."""
     names = []
@@ -242,15 +258,8 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
             ax.plot(Ws, [ratios(r)[v]["bwd"] for r in win], st, label=f"{v} (bwd)")
         ax.plot(Ws, [ratios(r)["jagg"]["step"] for r in win], "o:", label="jagg (whole step)")
         ax.plot(Ws, [2 / W for W in Ws], "k--", label="floor 2/W")
-        ax.set_xlabel("window W")
-        ax.set_ylabel("time / exact per-step")
-        ax.set_title("Backward time ratio vs W")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "time_ratio_vs_W.png", dpi=110)
-        plt.close(fig)
-        names.append("time_ratio_vs_W.png")
+        _style_axes(ax, "time / exact per-step", "Backward time ratio vs W")
+        names.append(_save(fig, out, "time_ratio_vs_W.png"))
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for v, st in (("jagg", "o-"), ("jagg_router", "^-"), ("exact_per_step", "s-")):
@@ -264,15 +273,8 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
                 label=v,
             )
         ax.plot(Ws, [2 / W for W in Ws], "k--", label="2/W")
-        ax.set_xlabel("window W")
-        ax.set_ylabel("saved bytes / exact batched")
-        ax.set_title("Activations saved for backward")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "saved_bytes_vs_W.png", dpi=110)
-        plt.close(fig)
-        names.append("saved_bytes_vs_W.png")
+        _style_axes(ax, "saved bytes / exact batched", "Activations saved for backward")
+        names.append(_save(fig, out, "saved_bytes_vs_W.png"))
     fid = res.get("fidelity")
     if fid:
         R = fid["results"]
@@ -292,8 +294,5 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[0].set_ylabel("cosine (mean ± std)")
-        fig.tight_layout()
-        fig.savefig(out / "grad_cosine_vs_W.png", dpi=110)
-        plt.close(fig)
-        names.append("grad_cosine_vs_W.png")
+        names.append(_save(fig, out, "grad_cosine_vs_W.png"))
     return names
