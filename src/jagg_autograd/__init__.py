@@ -4,6 +4,7 @@
 needs one batched backward through the window anchors instead of one per step.
 """
 
+from jagg_autograd.diagnostics import FidelityReport, gradient_fidelity
 from jagg_autograd.mix import jagg_mix, jagg_mix_ref
 from jagg_autograd.router import CosineRouter, cosine_route, cosine_route_ref
 from jagg_autograd.window import (
@@ -18,10 +19,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CosineRouter",
+    "FidelityReport",
     "JaggStats",
     "cosine_route",
     "cosine_route_ref",
     "expected_anchor_count",
+    "gradient_fidelity",
     "jagg_mix",
     "jagg_mix_ref",
     "jagg_trajectory",

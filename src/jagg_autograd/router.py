@@ -110,6 +110,11 @@ def _check_jagg_frac(jagg_frac: object) -> float | None:
     return float(jagg_frac)
 
 
+# Provisional until the quality study (benchmarks/quality.py) calibrates them.
+DEFAULT_THRESHOLD = 0.9
+DEFAULT_JAGG_FRAC: float | None = None
+
+
 class CosineRouter:
     """Send windows (per sample) whose velocities are not near-linear to the exact gradient.
 
@@ -119,10 +124,12 @@ class CosineRouter:
     (ties broken towards the lower sample index).  Windows with no interior step are never
     routed.  ``threshold > 1`` forces the exact gradient everywhere.
 
-    The default threshold 0.9 is provisional until the quality study calibrates it.
+    The defaults are ``DEFAULT_THRESHOLD`` and ``DEFAULT_JAGG_FRAC``.
     """
 
-    def __init__(self, threshold: float = 0.9, jagg_frac: float | None = None) -> None:
+    def __init__(
+        self, threshold: float = DEFAULT_THRESHOLD, jagg_frac: float | None = DEFAULT_JAGG_FRAC
+    ) -> None:
         self.threshold = _check_threshold(threshold)
         self.jagg_frac = _check_jagg_frac(jagg_frac)
 

@@ -13,7 +13,18 @@ One training step of :func:`train`:
    are recomputed with :func:`jagg_autograd.jagg_trajectory` (``mode="exact"``, JAGG, or
    JAGG with a :class:`~jagg_autograd.CosineRouter`), the log-probs of the stored
    ``x_{k+1}`` under the current policy come from the same SDE step, and the clipped GRPO
-   loss averaged over the steps is minimised with AdamW.
+   loss averaged over the steps is minimised with AdamW.  Two baselines train on a
+   subset of steps at a chosen backward budget instead: ``mode="subsample"`` (DanceGRPO's
+   timestep_fraction: a random subset of steps per sample) and ``mode="mixgrpo"``
+   (MixGRPO: SDE only inside a window of ``window`` steps that slides along the
+   trajectory during training, ODE elsewhere; only the window's steps are trained).
+
+Optional along the run: a held-out evaluation every ``eval_every`` steps (SDE or ODE
+sampler, fixed noise never used in training) and a gradient probe every ``probe_every``
+steps (cosine / relative error of the run's gradient estimator to the exact gradient on a
+separate full-SDE batch).  Neither touches the training noise stream nor the timings.
+:class:`GRPOTrainer` runs the loop one step at a time (the quality study interleaves
+several of them); :func:`train` is the whole run.
 
 The parameters change only through optimizer steps, so with ``batching="per_step"`` the
 first log-prob recomputation after a rollout reproduces the rollout's bit for bit (ratio 1);
@@ -37,6 +48,7 @@ from torch import nn
 from jagg_autograd.grpo import (
     group_advantages,
     grpo_loss,
+    ode_step,
     sde_step_with_logprob,
     shifted_sigma_schedule,
 )
@@ -46,14 +58,16 @@ from jagg_autograd.models.digits import (
     load_digits_classifier,
     load_digits_dit,
 )
-from jagg_autograd.router import CosineRouter
-from jagg_autograd.window import BATCHINGS, jagg_trajectory
+from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD, CosineRouter
+from jagg_autograd.window import BATCHINGS, expected_anchor_count, jagg_trajectory
 
 __all__ = [
     "MODES",
+    "SAMPLERS",
     "SCHEDULES",
     "TUNING",
     "GRPOConfig",
+    "GRPOTrainer",
     "Rollout",
     "evaluate",
     "rollout",
@@ -62,7 +76,8 @@ __all__ = [
     "trajectory_log_probs",
 ]
 
-MODES = ("exact", "jagg", "router")
+MODES = ("exact", "jagg", "router", "subsample", "mixgrpo")
+SAMPLERS = ("sde", "ode")
 SCHEDULES = ("linear", "shifted")
 TUNING = ("full", "lora")
 
@@ -109,13 +124,24 @@ class GRPOConfig:
     shift: float = 3.0
     """Shift of the "shifted" schedule."""
     mode: str = "jagg"
-    """Gradient: "exact" (every step with grad), "jagg" or "router" (JAGG + CosineRouter)."""
+    """Gradient: "exact" (every step with grad), "jagg", "router" (JAGG + CosineRouter),
+    or the baselines "subsample" (DanceGRPO) and "mixgrpo" (MixGRPO's sliding window)."""
     window: int = 4
-    """JAGG window W (steps per window, anchors included); ignored by mode="exact"."""
+    """JAGG window W (steps per window, anchors included); mode="mixgrpo": the number of
+    consecutive SDE steps trained; ignored by mode="exact" and "subsample"."""
     shared_anchors: bool = True
     """Adjacent windows share their boundary anchor (fewer anchors per backward)."""
-    threshold: float = 0.9
+    threshold: float = DEFAULT_THRESHOLD
     """CosineRouter threshold (mode="router")."""
+    jagg_frac: float | None = DEFAULT_JAGG_FRAC
+    """CosineRouter jagg_frac (mode="router")."""
+    subsample_steps: int | None = None
+    """mode="subsample": steps trained per sample, drawn at random per sample and step like
+    DanceGRPO's timestep_fraction (None: JAGG's budget, the anchor count of ``window`` and
+    ``shared_anchors``)."""
+    mix_shift_interval: int | None = None
+    """mode="mixgrpo": GRPO steps between moves of the window by one step (None: the
+    window sweeps the trajectory once, ``max(1, steps // (num_steps - window + 1))``)."""
     batching: str = "stacked"
     """jagg_trajectory batching: "stacked" (fewest model calls) or "per_step"
     (bit-identical to the rollout)."""
@@ -138,6 +164,17 @@ class GRPOConfig:
     """LoRA rank (tuning="lora")."""
     eval_per_digit: int = 16
     """Samples per digit for the fixed-noise evaluation before and after training (0: off)."""
+    eval_every: int = 0
+    """Also evaluate every ``eval_every`` GRPO steps (0: only before and after)."""
+    eval_sampler: str = "sde"
+    """Evaluation sampler: "sde" (the rollout's SDE with fixed noise) or "ode" (the
+    deterministic Euler sampler from fixed initial noise)."""
+    eval_seed: int | None = None
+    """Seed of the evaluation noise (None: ``seed + 10000``, disjoint from training)."""
+    probe_every: int = 0
+    """Every ``probe_every`` GRPO steps, before the optimizer step, measure the cosine and
+    relative error of this run's gradient estimator to the exact gradient on a separate
+    full-SDE batch of the current policy (0: off; excluded from the timings)."""
     seed: int = 0
     """Seeds the prompts, the rollout noise and the evaluation noise."""
     out: str | None = None
@@ -175,6 +212,30 @@ class GRPOConfig:
             raise ValueError(
                 f"num_steps must be >= 2 (a trajectory of >= 2 steps), got {self.num_steps}"
             )
+        if self.eval_sampler not in SAMPLERS:
+            raise ValueError(f"eval_sampler must be one of {SAMPLERS}, got {self.eval_sampler!r}")
+        for name, v in (("eval_every", self.eval_every), ("probe_every", self.probe_every)):
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.eval_seed is not None and not _is_int(self.eval_seed):
+            raise ValueError(f"eval_seed must be None or an int, got {self.eval_seed!r}")
+        if self.subsample_steps is not None and (
+            not _is_int(self.subsample_steps) or not 1 <= self.subsample_steps <= self.num_steps
+        ):
+            raise ValueError(
+                f"subsample_steps must be None or an int in [1, num_steps={self.num_steps}], "
+                f"got {self.subsample_steps!r}"
+            )
+        if self.mix_shift_interval is not None and (
+            not _is_int(self.mix_shift_interval) or self.mix_shift_interval < 1
+        ):
+            raise ValueError(
+                f"mix_shift_interval must be None or an int >= 1, got {self.mix_shift_interval!r}"
+            )
+        if self.jagg_frac is not None and (
+            not _is_real(self.jagg_frac) or not 0.0 <= self.jagg_frac <= 1.0
+        ):
+            raise ValueError(f"jagg_frac must be None or in [0, 1], got {self.jagg_frac!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.schedule not in SCHEDULES:
@@ -260,24 +321,33 @@ def rollout(
     *,
     noise_level: float,
     generator: torch.Generator | None = None,
+    sde_steps: Sequence[int] | None = None,
 ) -> Rollout:
     """Sample trajectories with the SDE step, storing latents and old log-probs.
 
     The model is called exactly as :func:`jagg_trajectory` calls it with
     ``batching="per_step"`` (``z (B, 1, 8, 8)``, ``t (B,)`` float32 filled with ``sigma_k``,
     ``labels (B,)``), which is what makes that recomputation bit-identical.
+    ``sde_steps``: the steps that use the SDE (None: all); the others take the
+    deterministic ODE step, draw no noise and get log-prob NaN (they cannot be trained):
+    an empty list is the ODE sampler, a window of steps is MixGRPO's mixed sampler.
     """
     s = sigmas.tolist()
     n = labels.shape[0]
+    sde = set(range(len(s) - 1)) if sde_steps is None else set(sde_steps)
     x = torch.randn((n, 1, 8, 8), generator=generator, dtype=torch.float32)
     xs = [x]
     lps = []
     for k in range(len(s) - 1):
         t = torch.full((n,), s[k], dtype=torch.float32)
         v = model(x, t, labels=labels)
-        x, lp, _, _ = sde_step_with_logprob(
-            v, x, s[k], s[k + 1], noise_level=noise_level, sigma_max=s[1], generator=generator
-        )
+        if k in sde:
+            x, lp, _, _ = sde_step_with_logprob(
+                v, x, s[k], s[k + 1], noise_level=noise_level, sigma_max=s[1], generator=generator
+            )
+        else:
+            x = ode_step(v, x, s[k], s[k + 1])
+            lp = torch.full((n,), math.nan)
         xs.append(x)
         lps.append(lp)
     return Rollout(torch.stack(xs), torch.stack(lps), labels)
@@ -294,21 +364,26 @@ def trajectory_log_probs(
     shared_anchors: bool = True,
     router: CosineRouter | None = None,
     batching: str = "stacked",
+    steps: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, Any]:
-    """Log-probs ``(T, B)`` of the stored transitions under the current policy, with grad.
+    """Log-probs ``(n, B)`` of the stored transitions under the current policy, with grad.
 
-    Velocities of the stored ``x_0..x_{T-1}`` come from one :func:`jagg_trajectory` call (so
-    the backward is JAGG's, or the exact one for ``mode="exact"``); each step's log-prob is
-    the SDE step's density of the stored ``x_{k+1}``. Returns ``(log_probs, JaggStats)``.
+    Velocities of the stored ``x_lo..x_{hi-1}`` (``steps = (lo, hi)``, None: all T steps)
+    come from one :func:`jagg_trajectory` call (so the backward is JAGG's, or the exact one
+    for ``mode="exact"``); each step's log-prob is the SDE step's density of the stored
+    ``x_{k+1}``. Returns ``(log_probs, JaggStats)``.
     """
     T = ro.latents.shape[0] - 1
+    lo, hi = (0, T) if steps is None else steps
+    if not 0 <= lo < hi <= T or hi - lo < 2:
+        raise ValueError(f"steps must be (lo, hi) with 0 <= lo, lo + 2 <= hi <= {T}, got {steps}")
     s = sigmas.tolist()
     core_mode = "exact" if mode == "exact" else "jagg"
     v, stats = jagg_trajectory(
         model,
-        ro.latents[:-1],
-        sigmas[:-1],
-        window=min(window, T),
+        ro.latents[lo:hi],
+        sigmas[lo:hi],
+        window=min(window, hi - lo),
         shared_anchors=shared_anchors,
         cond={"labels": ro.labels},
         mode=core_mode,
@@ -317,9 +392,9 @@ def trajectory_log_probs(
         return_stats=True,
     )
     lps = []
-    for k in range(T):
+    for i, k in enumerate(range(lo, hi)):
         _, lp, _, _ = sde_step_with_logprob(
-            v[k],
+            v[i],
             ro.latents[k],
             s[k],
             s[k + 1],
@@ -331,6 +406,61 @@ def trajectory_log_probs(
     return torch.stack(lps), stats
 
 
+def subsample_log_probs(
+    model: Callable[..., torch.Tensor],
+    ro: Rollout,
+    sigmas: torch.Tensor,
+    *,
+    noise_level: float,
+    num: int,
+    generator: torch.Generator | None = None,
+    batching: str = "stacked",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DanceGRPO's timestep subsampling: ``num`` random steps per sample, with grad.
+
+    Each sample draws its own ``num`` of the T steps (a fresh random permutation per
+    sample, as DanceGRPO's timestep_fraction does).  Returns ``(log_probs (num, B),
+    old_log_probs (num, B), steps (num, B))``: slot j of sample b is step ``steps[j, b]``.
+    With ``batching="stacked"`` the ``num * B`` evaluations are one model call.
+    """
+    T, B = ro.log_probs.shape
+    if not 1 <= num <= T:
+        raise ValueError(f"num must be in [1, T={T}], got {num}")
+    ks = torch.argsort(torch.rand((B, T), generator=generator), dim=1)[:, :num].T.contiguous()
+    bs = torch.arange(B).expand(num, B)
+    z, nxt = ro.latents[ks, bs], ro.latents[ks + 1, bs]
+    sig, sig_next = sigmas[ks], sigmas[ks + 1]
+    sigma_max = float(sigmas[1])
+    slots = [slice(None)] if batching == "stacked" else [slice(j, j + 1) for j in range(num)]
+    lps = []
+    for sl in slots:
+        zs = z[sl].flatten(0, 1)
+        n = zs.shape[0] // B
+        v = model(zs, sig[sl].flatten().to(torch.float32), labels=ro.labels.repeat(n))
+        _, lp, _, _ = sde_step_with_logprob(
+            v,
+            zs,
+            sig[sl].flatten(),
+            sig_next[sl].flatten(),
+            noise_level=noise_level,
+            sigma_max=sigma_max,
+            prev_sample=nxt[sl].flatten(0, 1),
+        )
+        lps.append(lp.view(n, B))
+    return torch.cat(lps), ro.log_probs[ks, bs], ks
+
+
+def mix_window_start(config: GRPOConfig, step: int) -> int:
+    """First step of MixGRPO's window of ``config.window`` SDE steps at GRPO step ``step``.
+
+    The window starts at step 0 and moves one step later every ``mix_shift_interval``
+    GRPO steps until it reaches the end of the trajectory (MixGRPO's progressive schedule).
+    """
+    T, W = config.num_steps, config.window
+    interval = config.mix_shift_interval or max(1, config.steps // (T - W + 1))
+    return min(step // interval, T - W)
+
+
 @torch.no_grad()
 def evaluate(
     model: Callable[..., torch.Tensor],
@@ -340,15 +470,26 @@ def evaluate(
     per_digit: int,
     noise_level: float,
     seed: int,
+    sampler: str = "sde",
 ) -> dict[str, Any]:
-    """Mean reward of ``per_digit`` SDE samples of every digit, with fixed noise (``seed``).
+    """Mean reward of ``per_digit`` samples of every digit, with fixed noise (``seed``).
 
-    The same seed before and after training gives the same initial noise and step noise,
-    so the difference is the policy's.
+    ``sampler``: "sde" (the rollout's SDE step) or "ode" (deterministic Euler steps, the
+    noise is only the initial latent).  The same seed before and after training gives the
+    same noise, so the difference is the policy's.
     """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_digit)
     g = torch.Generator().manual_seed(seed)
-    ro = rollout(model, labels, sigmas, noise_level=noise_level, generator=g)
+    ro = rollout(
+        model,
+        labels,
+        sigmas,
+        noise_level=noise_level,
+        generator=g,
+        sde_steps=[] if sampler == "ode" else None,
+    )
     r = digit_reward(ro.latents[-1], labels, classifier=classifier)
     per = r.view(NUM_CLASSES, per_digit).mean(1)
     return {
@@ -450,6 +591,241 @@ def summarize(log: dict[str, Any]) -> str:
     return txt
 
 
+def _grpo_loss_mean(
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, config: GRPOConfig
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Mean over the trained slots of the clipped GRPO loss; ``lp``, ``old``: (n, B)."""
+    losses, infos = [], []
+    for j in range(lp.shape[0]):
+        loss_j, info_j = grpo_loss(
+            lp[j], old[j], adv, clip_range=config.clip_range, adv_clip_max=config.adv_clip_max
+        )
+        losses.append(loss_j)
+        infos.append(info_j)
+    # Mean over the sampler steps: Flow-GRPO accumulates every step's loss into one
+    # optimizer step, scaled so that the step count does not change the learning rate;
+    # over a random subset this mean is an unbiased estimate of the full one.
+    return torch.stack(losses).mean(), infos
+
+
+def _estimator_loss(
+    model: nn.Module,
+    ro: Rollout,
+    adv: torch.Tensor,
+    sigmas: torch.Tensor,
+    config: GRPOConfig,
+    router: CosineRouter | None,
+    *,
+    step: int,
+    generator: torch.Generator,
+    mode: str | None = None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, float]]:
+    """The loss whose gradient is this run's estimator (``mode`` overrides the config's)."""
+    mode = config.mode if mode is None else mode
+    B = ro.labels.numel()
+    if mode == "subsample":
+        num = config.subsample_steps or expected_anchor_count(
+            config.num_steps, config.window, config.shared_anchors
+        )
+        lp, old, _ = subsample_log_probs(
+            model,
+            ro,
+            sigmas,
+            noise_level=config.noise_level,
+            num=num,
+            generator=generator,
+            batching=config.batching,
+        )
+        calls = 1 if config.batching == "stacked" else num
+        cost = {"routed_frac": 0.0, "backward_calls": calls, "grad_samples": num * B}
+    else:
+        steps = None
+        if mode == "mixgrpo":
+            lo = mix_window_start(config, step)
+            steps = (lo, lo + config.window)
+        lp, stats = trajectory_log_probs(
+            model,
+            ro,
+            sigmas,
+            noise_level=config.noise_level,
+            mode="exact" if mode == "mixgrpo" else mode,
+            window=config.window,
+            shared_anchors=config.shared_anchors,
+            router=router,
+            batching=config.batching,
+            steps=steps,
+        )
+        old = ro.log_probs if steps is None else ro.log_probs[steps[0] : steps[1]]
+        cost = {
+            "routed_frac": float(stats.exact.float().mean()) if mode != "mixgrpo" else 0.0,
+            "backward_calls": int(stats.backward_calls),
+            "grad_samples": int(stats.grad_samples),
+        }
+    loss, infos = _grpo_loss_mean(lp, old, adv, config)
+    return loss, infos, cost
+
+
+def _flat_grad(loss: torch.Tensor, params: Sequence[nn.Parameter]) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g).detach().flatten().to(torch.float64)
+            for p, g in zip(params, grads)
+        ]
+    )
+
+
+class GRPOTrainer:
+    """Online GRPO on the digits DiT, one :meth:`step` at a time.
+
+    ``GRPOTrainer(config)`` loads the models and, if ``eval_per_digit > 0``, runs the
+    initial evaluation; :meth:`step` runs one GRPO step (plus the probe / evaluation due
+    at it) and returns its log row; :meth:`finish` runs the final evaluation and returns
+    (and writes) the log of :func:`train`.  Each trainer owns its noise generators, so
+    several trainers stepped in turn give the runs each would give alone.
+    """
+
+    def __init__(self, config: GRPOConfig | None = None) -> None:
+        config = GRPOConfig() if config is None else config
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.out = Path(config.out) if config.out is not None else None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self._t_start = time.perf_counter()
+        torch.manual_seed(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.model = load_digits_dit()
+        self.classifier = load_digits_classifier()
+        self.params = _trainable(self.model, config)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.router = (
+            CosineRouter(config.threshold, config.jagg_frac) if config.mode == "router" else None
+        )
+        self.sigmas = sigma_schedule(config)
+        # Disjoint from the training noise stream.
+        self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
+        self.step_index = 0
+        self.rollout_seconds = 0.0
+        self.train_seconds = 0.0
+        self._mb = config.prompts_per_step * config.group_size // config.minibatches
+        self.log: dict[str, Any] = {
+            "config": config.to_dict(),
+            "sigmas": [round(x, 6) for x in self.sigmas.tolist()],
+            "num_trainable_parameters": sum(p.numel() for p in self.params),
+            "steps": [],
+            "evals": [],
+            "eval": {},
+            "out": str(self.out) if self.out is not None else None,
+        }
+        if config.eval_per_digit:
+            self._record_eval()
+
+    # ------------------------------------------------------------------ measurements
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out reward of the current policy on the fixed evaluation noise."""
+        c = self.config
+        return evaluate(
+            self.model,
+            self.classifier,
+            self.sigmas,
+            per_digit=c.eval_per_digit,
+            noise_level=c.noise_level,
+            seed=self.eval_seed,
+            sampler=c.eval_sampler,
+        )
+
+    def _record_eval(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ev = self.evaluate()
+        ev.update(
+            step=self.step_index,
+            wall_seconds=self.rollout_seconds + self.train_seconds,
+            train_seconds=self.train_seconds,
+            sampler=self.config.eval_sampler,
+            eval_seconds=time.perf_counter() - t0,
+        )
+        self.log["evals"].append(ev)
+        return ev
+
+    def probe(self) -> dict[str, float]:
+        """Cosine / relative error of this run's gradient to the exact one, now.
+
+        On a fresh full-SDE batch of the current policy (same prompts and noise for every
+        run with this ``eval_seed`` at this step): the exact gradient of the mean GRPO loss
+        over all T steps against this run's estimator of it on the same batch (the
+        routed/JAGG gradient, the subsampled one, or MixGRPO's window of this step).
+        Nothing is accumulated into ``.grad``.
+        """
+        c = self.config
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed((self.eval_seed + 1) * 1_000_003 + self.step_index)
+        digits = torch.randperm(NUM_CLASSES, generator=g)[: c.prompts_per_step]
+        labels = digits.repeat_interleave(c.group_size)
+        ro = rollout(self.model, labels, self.sigmas, noise_level=c.noise_level, generator=g)
+        adv = group_advantages(
+            digit_reward(ro.latents[-1], labels, classifier=self.classifier), labels
+        )
+        kw = {"step": self.step_index, "generator": g}
+        ref, _, _ = _estimator_loss(self.model, ro, adv, self.sigmas, c, None, mode="exact", **kw)
+        g_ref = _flat_grad(ref, self.params)
+        est, _, cost = _estimator_loss(self.model, ro, adv, self.sigmas, c, self.router, **kw)
+        g_est = _flat_grad(est, self.params)
+        den = g_ref.norm()
+        cos = float(torch.dot(g_est, g_ref) / (g_est.norm() * den)) if den > 0 else math.nan
+        return {
+            "probe_cosine": cos,
+            "probe_rel_error": float((g_est - g_ref).norm() / den) if den > 0 else math.nan,
+            "probe_routed_frac": cost["routed_frac"],
+            "probe_seconds": time.perf_counter() - t0,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> dict[str, Any]:
+        """One GRPO step: probe if due, rollout, optimizer step(s), evaluation if due."""
+        c = self.config
+        probe = self.probe() if c.probe_every and self.step_index % c.probe_every == 0 else {}
+        row = _grpo_step(self, self._mb)
+        row["step"] = self.step_index
+        row.update(probe)
+        self.step_index += 1
+        self.rollout_seconds += row["rollout_seconds"]
+        self.train_seconds += row["train_seconds"]
+        self.log["steps"].append(row)
+        if (
+            c.eval_per_digit
+            and c.eval_every
+            and self.step_index % c.eval_every == 0
+            and self.step_index < c.steps
+        ):
+            self._record_eval()
+        return row
+
+    def finish(self) -> dict[str, Any]:
+        """Final evaluation, totals and summary; writes ``log.json`` / ``reward.png``."""
+        log = self.log
+        if self.config.eval_per_digit:
+            self._record_eval()
+            log["eval"] = {"initial": log["evals"][0], "final": log["evals"][-1]}
+        log["rollout_seconds"] = self.rollout_seconds
+        log["train_seconds"] = self.train_seconds
+        log["total_seconds"] = time.perf_counter() - self._t_start
+        log["summary"] = summarize(log)
+        if self.out is not None:
+            with open(self.out / "log.json", "w", encoding="utf-8") as fh:
+                json.dump(log, fh, indent=1)
+            _plot(self.out / "reward.png", log)
+        return log
+
+
 def train(
     config: GRPOConfig | None = None,
     *,
@@ -460,71 +836,25 @@ def train(
     Log keys: ``config``, ``steps`` (one dict per GRPO step: ``reward_mean``,
     ``reward_std``, ``loss``, ``clipfrac``, ``approx_kl``, ``ratio_min``/``ratio_max``,
     ``routed_frac`` (fraction of (window, sample) pairs given the exact gradient),
-    ``backward_calls``, ``grad_samples``, ``rollout_seconds``, ``train_seconds``), ``eval``
-    (fixed-noise reward before/after), ``total_seconds``, ``rollout_seconds``,
-    ``train_seconds``, ``summary``, ``out``.
+    ``backward_calls``, ``grad_samples``, ``rollout_seconds``, ``train_seconds``, and on
+    probe steps ``probe_cosine`` / ``probe_rel_error``), ``evals`` (every evaluation:
+    ``step``, ``mean_reward``, ``per_digit``, ``wall_seconds`` = rollout + training time
+    so far), ``eval`` (the first and last of them as ``initial`` / ``final``),
+    ``total_seconds``, ``rollout_seconds``, ``train_seconds``, ``summary``, ``out``.
 
     Raises:
         ValueError: bad config (see :meth:`GRPOConfig.validate`), or non-finite rewards /
             log-probs (from :func:`group_advantages` / :func:`grpo_loss`).
     """
-    config = GRPOConfig() if config is None else config
-    if not isinstance(config, GRPOConfig):
-        raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
-    config.validate()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    out = Path(config.out) if config.out is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-
-    t_start = time.perf_counter()
-    torch.manual_seed(config.seed)
-    gen = torch.Generator().manual_seed(config.seed)
-    model = load_digits_dit()
-    classifier = load_digits_classifier()
-    params = _trainable(model, config)
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    router = CosineRouter(config.threshold) if config.mode == "router" else None
-    sigmas = sigma_schedule(config)
-    eval_seed = config.seed + 10_000  # disjoint from the training noise stream
-    log: dict[str, Any] = {
-        "config": config.to_dict(),
-        "sigmas": [round(s, 6) for s in sigmas.tolist()],
-        "num_trainable_parameters": sum(p.numel() for p in params),
-        "steps": [],
-        "eval": {},
-        "out": str(out) if out is not None else None,
-    }
-
-    def fixed_noise_eval() -> dict[str, Any]:
-        # Same noise seed before and after training: the difference is the policy's.
-        return evaluate(
-            model,
-            classifier,
-            sigmas,
-            per_digit=config.eval_per_digit,
-            noise_level=config.noise_level,
-            seed=eval_seed,
-        )
-
-    if config.eval_per_digit:
-        log["eval"]["initial"] = fixed_noise_eval()
-
+    trainer = GRPOTrainer(config)
     bar = None
-    if config.progress:
+    if trainer.config.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=config.steps, desc="GRPO", unit="step", dynamic_ncols=True)
-    mb = config.prompts_per_step * config.group_size // config.minibatches
-    rollout_total = train_total = 0.0
+        bar = tqdm(total=trainer.config.steps, desc="GRPO", unit="step", dynamic_ncols=True)
     try:
-        for step in range(config.steps):
-            row = _grpo_step(model, classifier, opt, params, router, sigmas, gen, config, mb)
-            row["step"] = step
-            rollout_total += row["rollout_seconds"]
-            train_total += row["train_seconds"]
-            log["steps"].append(row)
+        for _ in range(trainer.config.steps):
+            row = trainer.step()
             if on_step is not None:
                 on_step(row)
             if bar is not None:
@@ -538,43 +868,35 @@ def train(
     finally:
         if bar is not None:
             bar.close()
-
-    if config.eval_per_digit:
-        log["eval"]["final"] = fixed_noise_eval()
-    log["rollout_seconds"] = rollout_total
-    log["train_seconds"] = train_total
-    log["total_seconds"] = time.perf_counter() - t_start
-    log["summary"] = summarize(log)
-    if out is not None:
-        with open(out / "log.json", "w", encoding="utf-8") as fh:
-            json.dump(log, fh, indent=1)
-        _plot(out / "reward.png", log)
-    return log
+    return trainer.finish()
 
 
-def _grpo_step(
-    model: nn.Module,
-    classifier: nn.Module,
-    opt: torch.optim.Optimizer,
-    params: Sequence[nn.Parameter],
-    router: CosineRouter | None,
-    sigmas: torch.Tensor,
-    gen: torch.Generator,
-    config: GRPOConfig,
-    mb: int,
-) -> dict[str, Any]:
+def _grpo_step(tr: GRPOTrainer, mb: int) -> dict[str, Any]:
     """One rollout + ``config.minibatches`` optimizer steps; returns the step's log row."""
+    config = tr.config
+    gen = tr.generator
     t0 = time.perf_counter()
     digits = torch.randperm(NUM_CLASSES, generator=gen)[: config.prompts_per_step]
     labels = digits.repeat_interleave(config.group_size)
+    sde_steps = None
+    if config.mode == "mixgrpo":
+        lo = mix_window_start(config, tr.step_index)
+        sde_steps = range(lo, lo + config.window)
     # Sample in the chunks that will be trained, so that each chunk's recomputation sees
     # exactly the batch of its rollout (the condition for a bit-identical ratio).
     chunks = [
-        rollout(model, labels[i : i + mb], sigmas, noise_level=config.noise_level, generator=gen)
+        rollout(
+            tr.model,
+            labels[i : i + mb],
+            tr.sigmas,
+            noise_level=config.noise_level,
+            generator=gen,
+            sde_steps=sde_steps,
+        )
         for i in range(0, labels.numel(), mb)
     ]
     rewards = torch.cat(
-        [digit_reward(c.latents[-1], c.labels, classifier=classifier) for c in chunks]
+        [digit_reward(c.latents[-1], c.labels, classifier=tr.classifier) for c in chunks]
     )
     adv = group_advantages(rewards, labels)  # raises ValueError on NaN rewards
     t1 = time.perf_counter()
@@ -584,52 +906,36 @@ def _grpo_step(
     }
     routed, backward_calls, grad_samples = [], 0, 0
     for i, ro in enumerate(chunks):
-        a = adv[i * mb : (i + 1) * mb]
-        lp, stats = trajectory_log_probs(
-            model,
+        loss, infos, cost = _estimator_loss(
+            tr.model,
             ro,
-            sigmas,
-            noise_level=config.noise_level,
-            mode=config.mode,
-            window=config.window,
-            shared_anchors=config.shared_anchors,
-            router=router,
-            batching=config.batching,
+            adv[i * mb : (i + 1) * mb],
+            tr.sigmas,
+            config,
+            tr.router,
+            step=tr.step_index,
+            generator=gen,
         )
-        T = lp.shape[0]
-        losses, infos = [], []
-        for k in range(T):
-            loss_k, info_k = grpo_loss(
-                lp[k],
-                ro.log_probs[k],
-                a,
-                clip_range=config.clip_range,
-                adv_clip_max=config.adv_clip_max,
-            )
-            losses.append(loss_k)
-            infos.append(info_k)
-        # Mean over the sampler steps: Flow-GRPO accumulates every step's loss into one
-        # optimizer step, scaled so that the step count does not change the learning rate.
-        loss = torch.stack(losses).mean()
-        opt.zero_grad(set_to_none=True)
+        tr.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        params = tr.params
         if config.max_grad_norm is not None:
             gn = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         else:
             gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
-        opt.step()
+        tr.optimizer.step()
         acc["loss"].append(float(loss.detach()))
         acc["clipfrac"].append(float(torch.stack([f["clipfrac"] for f in infos]).mean()))
         acc["approx_kl"].append(float(torch.stack([f["approx_kl"] for f in infos]).mean()))
         acc["ratio_min"].append(float(torch.stack([f["ratio_min"] for f in infos]).min()))
         acc["ratio_max"].append(float(torch.stack([f["ratio_max"] for f in infos]).max()))
         acc["grad_norm"].append(float(gn))
-        routed.append(float(stats.exact.float().mean()))
-        backward_calls += int(stats.backward_calls)
-        grad_samples += int(stats.grad_samples)
+        routed.append(cost["routed_frac"])
+        backward_calls += int(cost["backward_calls"])
+        grad_samples += int(cost["grad_samples"])
     t2 = time.perf_counter()
 
-    row: dict[str, Any] = {
+    return {
         "prompts": digits.tolist(),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
@@ -646,4 +952,3 @@ def _grpo_step(
         "rollout_seconds": t1 - t0,
         "train_seconds": t2 - t1,
     }
-    return row
