@@ -409,15 +409,18 @@ def markdown(res: dict[str, Any]) -> str:
         ]
     lines += [
         "| variant | final reward | Δ final vs exact | AUC reward | Δ AUC | train time / exact "
-        "| step time / exact | bwd passes / step | grad cosine | grad rel. err | routed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step time / exact | reward − exact's at equal wall-clock (mean / min) "
+        "| bwd passes / step | grad cosine | grad rel. err | routed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, a in agg.items():
+        w = a.get("wallclock_margin", {})
+        wm = f"{w['mean']:+.3f} / {w['min']:+.3f}" if w.get("points") and n != "exact" else "–"
         lines.append(
             f"| {n} | {_fmt(a['final_reward'])} | {_fmt(a.get('final_rel_diff'), 100, 2, True)} "
             f"| {_fmt(a['auc_reward'])} | {_fmt(a.get('auc_rel_diff'), 100, 2, True)} "
             f"| {_fmt(a.get('train_seconds_ratio'))} | {_fmt(a.get('step_seconds_ratio'))} "
-            f"| {a['backward_passes_per_step']['mean']:.2f} | {_fmt(a['probe_cosine'])} "
+            f"| {wm} | {a['backward_passes_per_step']['mean']:.2f} | {_fmt(a['probe_cosine'])} "
             f"| {_fmt(a['probe_rel_error'])} | {a['routed_frac']['mean']:.3f} |"
         )
     if ex:
@@ -529,28 +532,45 @@ def plots(res: dict[str, Any], out: Path) -> None:
 
 
 def run_study(
-    study: dict[str, Any], names: Sequence[str], out: Path, progress: bool = True
+    study: dict[str, Any],
+    names: Sequence[str],
+    out: Path,
+    progress: bool = True,
+    report_only: bool = False,
 ) -> dict[str, Any]:
-    """Run every seed (``study['workers']`` processes), aggregate, write the outputs."""
+    """Run every seed (``study['workers']`` processes), aggregate, write the outputs.
+
+    ``report_only``: train nothing; rebuild the outputs from ``out/raw/seed*.json`` of an
+    earlier run (its command, date, duration and machine are kept from its quality.json).
+    """
     t0 = time.perf_counter()
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, list(names), study, str(raw), progress) for s in study["seeds"]]
-    if study["workers"] > 1 and len(jobs) > 1:
-        # spawn: a fresh interpreter per worker, no forked torch thread pools.
-        with mp.get_context("spawn").Pool(min(study["workers"], len(jobs))) as pool:
-            list(pool.imap_unordered(_run_seed_job, jobs))
+    run = {
+        "command": "python -m benchmarks.quality " + " ".join(sys.argv[1:]),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(torch.device("cpu")),
+    }
+    if report_only:
+        old = json.loads((out / "quality.json").read_text(encoding="utf-8"))
+        run = {k: old[k] for k in ("command", "date", "machine", "wall_seconds")}
+        study = old["study"]
     else:
-        for j in jobs:
-            _run_seed_job(j)
+        jobs = [(s, list(names), study, str(raw), progress) for s in study["seeds"]]
+        if study["workers"] > 1 and len(jobs) > 1:
+            # spawn: a fresh interpreter per worker, no forked torch thread pools.
+            with mp.get_context("spawn").Pool(min(study["workers"], len(jobs))) as pool:
+                list(pool.imap_unordered(_run_seed_job, jobs))
+        else:
+            for j in jobs:
+                _run_seed_job(j)
+        run["wall_seconds"] = time.perf_counter() - t0
     logs = {s: json.loads((raw / f"seed{s}.json").read_text()) for s in study["seeds"]}
+    names = list(logs[study["seeds"][0]])
     per_seed = {s: {n: per_seed_summary(lg) for n, lg in logs[s].items()} for s in logs}
     agg = aggregate(per_seed)
     res: dict[str, Any] = {
-        "command": "python -m benchmarks.quality " + " ".join(sys.argv[1:]),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "wall_seconds": time.perf_counter() - t0,
-        "machine": machine_info(torch.device("cpu")),
+        **run,
         "study": study,
         "variants": {n: VARIANTS[n] for n in names},
         "config": dataclasses.asdict(variant_config(names[0], study["seeds"][0], study)),
@@ -577,6 +597,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="subset (exact is added)")
     p.add_argument("--out", help="output folder")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild quality.json / QUALITY.md / plots from --out's raw logs, train nothing",
+    )
     args = p.parse_args(argv)
     study = dict(STUDIES["quick" if args.quick else "full"])
     for k in ("seeds", "steps", "workers"):
@@ -589,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]]  # fmt: skip
     default_out = "benchmarks/results/quality" + ("_quick" if args.quick else "")
     out = Path(args.out or default_out)
-    res = run_study(study, names, out, progress=not args.no_progress)
+    res = run_study(study, names, out, progress=not args.no_progress, report_only=args.report_only)
     print((out / "QUALITY.md").read_text(encoding="utf-8").split("## Router calibration")[0])
     print(f"[quality] {res['wall_seconds']:.0f} s; outputs in {out}")
     return 0

@@ -1,6 +1,10 @@
 """Shared test set-up: the Triton interpreter on CPU and hypothesis profiles."""
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 # Must be set before triton is imported anywhere: on CPU the kernels only run interpreted.
 # JAGG_TEST_DEVICE=cuda (benchmarks/gpu_check.sh) runs the kernel tests compiled instead.
@@ -32,3 +36,26 @@ def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
         return out
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run_benchmark(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``run_benchmark("benchmarks.run", "--tiny")``: run a benchmark CLI, return its --out."""
+
+    def run(module: str, *args: str) -> Path:
+        out = tmp_path_factory.mktemp(module.rsplit(".", 1)[-1])
+        env = dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)  # the harnesses use "auto": torch on CPU
+        subprocess.run(
+            [sys.executable, "-m", module, *args, "--no-progress", "--out", str(out)],
+            cwd=REPO,
+            env=env,
+            check=True,
+            timeout=600,
+        )
+        return out
+
+    return run

@@ -4,9 +4,6 @@ JSON, markdown and PNGs.  No timing is asserted."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,18 +16,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # the harness uses the "auto" backend: torch on CPU
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--tiny", "--no-progress", "--out", str(out)],
-        cwd=REPO,
-        env=env,
-        check=True,
-        timeout=300,
-    )
-    return out
+def tiny_run(run_benchmark) -> Path:
+    return run_benchmark("benchmarks.run", "--tiny")
 
 
 def test_json_is_well_formed(tiny_run: Path) -> None:

@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from jagg_autograd.trainer import MODES, SCHEDULES, TUNING, GRPOConfig, train
+from jagg_autograd.trainer import MODES, SAMPLERS, SCHEDULES, TUNING, GRPOConfig, train
 from jagg_autograd.window import BATCHINGS
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("gradient")
-    g.add_argument("--mode", choices=MODES, default=d.mode, help="exact, JAGG, or JAGG + router")
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default=d.mode,
+        help="exact, JAGG, JAGG + router, or the baselines subsample (DanceGRPO) / mixgrpo",
+    )
     g.add_argument("--window", type=int, default=d.window, help="JAGG window W (>= 2)")
     g.add_argument(
         "--shared-anchors",
@@ -42,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="adjacent windows share their boundary anchor",
     )
     g.add_argument("--threshold", type=float, default=d.threshold, help="router threshold")
+    g.add_argument(
+        "--jagg-frac", type=float, default=d.jagg_frac, help="router jagg_frac (default: off)"
+    )
+    g.add_argument(
+        "--subsample-steps",
+        type=int,
+        default=d.subsample_steps,
+        help="--mode subsample: steps per sample (default: the JAGG anchor count)",
+    )
     g.add_argument("--batching", choices=BATCHINGS, default=d.batching)
     r = p.add_argument_group("rollout")
     r.add_argument("--steps", type=int, default=d.steps, help="GRPO steps")
@@ -66,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lora-rank", type=int, default=d.lora_rank)
     m = p.add_argument_group("run")
     m.add_argument("--eval-per-digit", type=int, default=d.eval_per_digit, help="0: no eval")
+    m.add_argument(
+        "--eval-every", type=int, default=d.eval_every, help="also evaluate every N steps"
+    )
+    m.add_argument("--eval-sampler", choices=SAMPLERS, default=d.eval_sampler)
+    m.add_argument(
+        "--probe-every",
+        type=int,
+        default=d.probe_every,
+        help="gradient cosine to exact every N steps (0: off)",
+    )
     m.add_argument("--seed", type=int, default=d.seed)
     m.add_argument("--out", default="jagg_demo_out", help="folder for log.json and reward.png")
     m.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
@@ -90,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
         window=args.window,
         shared_anchors=args.shared_anchors,
         threshold=args.threshold,
+        jagg_frac=args.jagg_frac,
+        subsample_steps=args.subsample_steps,
         batching=args.batching,
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -100,6 +126,9 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
         tuning=args.tuning,
         lora_rank=args.lora_rank,
         eval_per_digit=args.eval_per_digit,
+        eval_every=args.eval_every,
+        eval_sampler=args.eval_sampler,
+        probe_every=args.probe_every,
         seed=args.seed,
         out=args.out,
         threads=args.threads,

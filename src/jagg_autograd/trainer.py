@@ -586,6 +586,12 @@ def summarize(log: dict[str, Any]) -> str:
         f" Mean exact-routed window fraction {routed:.2f}, mean model samples with grad per "
         f"step {sum(r['grad_samples'] for r in rows) / n:.0f}."
     )
+    probes = [r["probe_cosine"] for r in rows if "probe_cosine" in r]
+    if probes:
+        txt += (
+            f" Gradient cosine to exact over {len(probes)} probes: mean "
+            f"{sum(probes) / len(probes):.3f}, min {min(probes):.3f}."
+        )
     if log.get("out"):
         txt += f" Log and plot in {log['out']}."
     return txt
