@@ -311,7 +311,7 @@ def gradient_fidelity(
         (upstream,) = torch.autograd.grad(loss_fn(v), v)
         report = gradient_fidelity(
             model, latents, timesteps, upstream, cond=cond, params=lora_params,
-            window=4, router=CosineRouter(threshold=0.9),
+            window=4, router=CosineRouter(),
         )
         print(report)                 # cosine, rel_error, scores, cost
         json.dump(report.to_dict(), f)
