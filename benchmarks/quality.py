@@ -33,7 +33,6 @@ and ``reward_vs_step.png``, ``reward_vs_wallclock.png``, ``cosine_vs_step.png``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import json
 import math
@@ -376,8 +375,9 @@ def _fmt(ms: dict[str, float], scale: float = 1.0, digits: int = 3, pct: bool = 
     if ms is None or not math.isfinite(ms["mean"]):
         return "n/a"
     m, s = ms["mean"] * scale, ms["std"] * scale
-    unit = " %" if pct else ""
-    return f"{m:+.{digits}f} ± {s:.{digits}f}{unit}" if pct else f"{m:.{digits}f} ± {s:.{digits}f}"
+    if pct:
+        return f"{m:+.{digits}f} ± {s:.{digits}f} %"
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -573,7 +573,8 @@ def run_study(
         **run,
         "study": study,
         "variants": {n: VARIANTS[n] for n in names},
-        "config": dataclasses.asdict(variant_config(names[0], study["seeds"][0], study)),
+        # As the runs logged it (the defaults of today's code may differ).
+        "config": logs[study["seeds"][0]][names[0]]["config"],
         "aggregate": agg,
         "targets": target_rows(agg),
         "calibration": calibrate(agg),

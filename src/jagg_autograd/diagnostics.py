@@ -24,7 +24,7 @@ from jagg_autograd.window import (
     jagg_window,
 )
 
-__all__ = ["FidelityReport", "gradient_fidelity"]
+__all__ = ["FidelityReport", "compare_grads", "gradient_fidelity"]
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -202,8 +202,16 @@ def _grads(v: torch.Tensor, up: torch.Tensor, params: list[torch.Tensor], retain
     )
 
 
-def _compare(ref: Grads, got: Grads, params: list[torch.Tensor]) -> tuple[float, ...]:
-    """(cosine, rel_error, norm_ratio, ||ref||) of the flattened gradients.
+def compare_grads(
+    ref: Sequence[torch.Tensor | None],
+    got: Sequence[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+) -> tuple[float, float, float, float]:
+    """(cosine, rel_error, norm_ratio, ||ref||) of two parameter gradients, flattened.
+
+    ``ref`` / ``got``: one gradient (or None: zero) per tensor of ``params``, as
+    ``torch.autograd.grad(..., allow_unused=True)`` returns them.  NaN figures when
+    ||ref|| == 0 (the cosine also when ||got|| == 0).
 
     Accumulated parameter by parameter, so no flat copy of the whole gradient is made (a
     DiT's would not fit), and ||got - ref|| is summed directly rather than expanded, so
@@ -366,7 +374,7 @@ def gradient_fidelity(
         v_jg, st_jg = run("jagg", None)
         g_jg = _grads(v_jg, upstream, ps, retain=split)
         grad_samples["jagg"], backward_calls["jagg"] = st_jg.grad_samples, st_jg.backward_calls
-        cos, rel, ratio, exact_norm = _compare(g_ex, g_jg, ps)
+        cos, rel, ratio, exact_norm = compare_grads(g_ex, g_jg, ps)
         value_diff = _max_abs_diff(v_jg, v_ex)
         del g_jg
 
@@ -380,7 +388,7 @@ def gradient_fidelity(
                 up_w[lo : hi + 1] = upstream[lo : hi + 1]
                 e = _grads(v_ex, up_w, ps, retain=True)
                 j = _grads(v_jg, up_w, ps, retain=True)
-                w_cos, w_rel, _, _ = _compare(e, j, ps)
+                w_cos, w_rel, _, _ = compare_grads(e, j, ps)
                 entries.append(WindowFidelity(lo, hi, w_cos, w_rel))
             windows_report = tuple(entries)
         # Free both graphs before the routed run builds its own.
@@ -391,7 +399,7 @@ def gradient_fidelity(
         if router is not None:
             v_rt, st_rt = run("jagg", router)
             g_rt = _grads(v_rt, upstream, ps, retain=False)
-            routed_cos, routed_rel, _, _ = _compare(g_ex, g_rt, ps)
+            routed_cos, routed_rel, _, _ = compare_grads(g_ex, g_rt, ps)
             value_diff = max(value_diff, _max_abs_diff(v_rt, v_ex))
             exact_fraction = float(st_rt.exact.float().mean())
             grad_samples["routed"] = st_rt.grad_samples

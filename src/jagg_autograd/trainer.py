@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from jagg_autograd.diagnostics import compare_grads
 from jagg_autograd.grpo import (
     group_advantages,
     grpo_loss,
@@ -671,16 +672,6 @@ def _estimator_loss(
     return loss, infos, cost
 
 
-def _flat_grad(loss: torch.Tensor, params: Sequence[nn.Parameter]) -> torch.Tensor:
-    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
-    return torch.cat(
-        [
-            (torch.zeros_like(p) if g is None else g).detach().flatten().to(torch.float64)
-            for p, g in zip(params, grads)
-        ]
-    )
-
-
 class GRPOTrainer:
     """Online GRPO on the digits DiT, one :meth:`step` at a time.
 
@@ -781,14 +772,13 @@ class GRPOTrainer:
         )
         kw = {"step": self.step_index, "generator": g}
         ref, _, _ = _estimator_loss(self.model, ro, adv, self.sigmas, c, None, mode="exact", **kw)
-        g_ref = _flat_grad(ref, self.params)
+        g_ref = torch.autograd.grad(ref, self.params, allow_unused=True)
         est, _, cost = _estimator_loss(self.model, ro, adv, self.sigmas, c, self.router, **kw)
-        g_est = _flat_grad(est, self.params)
-        den = g_ref.norm()
-        cos = float(torch.dot(g_est, g_ref) / (g_est.norm() * den)) if den > 0 else math.nan
+        g_est = torch.autograd.grad(est, self.params, allow_unused=True)
+        cos, rel, _, _ = compare_grads(g_ref, g_est, self.params)
         return {
             "probe_cosine": cos,
-            "probe_rel_error": float((g_est - g_ref).norm() / den) if den > 0 else math.nan,
+            "probe_rel_error": rel,
             "probe_routed_frac": cost["routed_frac"],
             "probe_seconds": time.perf_counter() - t0,
         }
@@ -799,7 +789,7 @@ class GRPOTrainer:
         """One GRPO step: probe if due, rollout, optimizer step(s), evaluation if due."""
         c = self.config
         probe = self.probe() if c.probe_every and self.step_index % c.probe_every == 0 else {}
-        row = _grpo_step(self, self._mb)
+        row = _grpo_step(self)
         row["step"] = self.step_index
         row.update(probe)
         self.step_index += 1
@@ -877,10 +867,11 @@ def train(
     return trainer.finish()
 
 
-def _grpo_step(tr: GRPOTrainer, mb: int) -> dict[str, Any]:
+def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
     """One rollout + ``config.minibatches`` optimizer steps; returns the step's log row."""
     config = tr.config
     gen = tr.generator
+    mb = tr._mb
     t0 = time.perf_counter()
     digits = torch.randperm(NUM_CLASSES, generator=gen)[: config.prompts_per_step]
     labels = digits.repeat_interleave(config.group_size)
