@@ -29,6 +29,20 @@ def check_backend(backend: object) -> str:
     return backend
 
 
+def check_backend_runnable(backend: object, device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`check_backend`, and for "triton" also that it can run on ``device``/``dtype``.
+
+    The ops run in the forward (routing) and in the backward (mixing); calling this before
+    the first model call turns a "triton" that cannot run (CPU without TRITON_INTERPRET=1,
+    float64, triton missing) into an immediate ``ValueError`` instead of a failure in
+    ``backward()`` after the forward has been paid for.
+    """
+    backend = check_backend(backend)
+    if backend == "triton":
+        resolve_backend(backend, device, dtype)
+    return backend
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """Pick the implementation for tensors on ``device`` of ``dtype``.
 

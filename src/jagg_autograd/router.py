@@ -11,6 +11,8 @@ window without interior steps is exactly linear by construction and scores 1.0.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
 
 import torch
 
@@ -37,14 +39,58 @@ def _per_window_min(cos: torch.Tensor, left: list[int], right: list[int]) -> tor
     return out
 
 
+def _check_route_args(
+    velocities: object, alpha: object, left: object, right: object
+) -> tuple[list[int], list[int]]:
+    """Validate the routing op's arguments; return left/right as lists of Python ints."""
+    if not isinstance(velocities, torch.Tensor) or velocities.dim() != 3:
+        raise ValueError("velocities must be a (T, B, N) tensor")
+    if not velocities.is_floating_point():
+        raise TypeError(f"velocities must be a floating tensor, got {velocities.dtype}")
+    if not isinstance(alpha, torch.Tensor) or tuple(alpha.shape) != tuple(velocities.shape[:2]):
+        raise ValueError(
+            f"alpha must be a (T, B) = {tuple(velocities.shape[:2])} tensor, got "
+            f"{tuple(getattr(alpha, 'shape', ()))}"
+        )
+    if not alpha.is_floating_point():
+        raise TypeError(f"alpha must be a floating tensor, got {alpha.dtype}")
+    T = velocities.shape[0]
+    steps = {}
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
+            raise TypeError(f"{name} must be a sequence of int steps, got {type(value).__name__}")
+        try:
+            # operator.index: ints and numpy/torch integer scalars, never floats; bool is an
+            # int subclass but never a step.
+            if any(isinstance(x, bool) for x in value):
+                raise TypeError
+            steps[name] = [operator.index(x) for x in value]
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of int steps, got {value!r}") from None
+    lo, hi = steps["left"], steps["right"]
+    if len(lo) != len(hi):
+        raise ValueError(
+            f"left and right must have one entry per window, got {len(lo)} and {len(hi)}"
+        )
+    bad = [(a, b) for a, b in zip(lo, hi) if not 0 <= a <= b < T]
+    if bad:
+        raise ValueError(
+            f"every window needs 0 <= left <= right < T={T} (anchor steps), got (left, right) "
+            f"{bad}"
+        )
+    return lo, hi
+
+
 def cosine_route_ref(
     velocities: torch.Tensor, alpha: torch.Tensor, left: list[int], right: list[int]
 ) -> torch.Tensor:
     """Pure-PyTorch reference of the routing score.
 
-    velocities: (T, B, N); alpha: (T, B); left/right: anchor steps of each of n_w windows.
+    velocities: (T, B, N) floating; alpha: (T, B) floating; left/right: anchor steps of
+    each of n_w windows, ints with 0 <= left <= right < T.
     Returns scores (n_w, B) in float32 (float64 for float64 velocities).
     """
+    left, right = _check_route_args(velocities, alpha, left, right)
     acc = torch.float64 if velocities.dtype == torch.float64 else torch.float32
     v = velocities.to(acc)
     a = alpha.to(acc).unsqueeze(-1)
@@ -73,10 +119,11 @@ def cosine_route(
 ) -> torch.Tensor:
     """Routing scores (n_w, B) of every window; see :func:`cosine_route_ref` for the math.
 
-    velocities: (T, B, N) any strides; alpha: (T, B); left/right: python ints, left < right.
+    velocities: (T, B, N) floating, any strides; alpha: (T, B) floating; left/right:
+    sequences of int steps, 0 <= left <= right < T (left == right: a single-step window,
+    score 1).  Bad arguments raise ``ValueError``/``TypeError`` naming the argument.
     """
-    if velocities.dim() != 3 or tuple(alpha.shape) != tuple(velocities.shape[:2]):
-        raise ValueError("velocities must be (T, B, N) and alpha (T, B)")
+    left, right = _check_route_args(velocities, alpha, left, right)
     if resolve_backend(backend, velocities.device, velocities.dtype) == "triton":
         from jagg_autograd._custom_ops import cosine_route_partials_op
 
