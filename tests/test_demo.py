@@ -129,6 +129,7 @@ def test_bad_cli_args(argv, match, capsys):
 
 def test_nan_reward_raises(monkeypatch):
     """NaN rewards follow grpo.group_advantages' policy: a clear ValueError, never a NaN loss."""
+    import jagg_autograd.tasks.digits as digits
     import jagg_autograd.trainer as trainer
 
     def nan_reward(images, labels, *, classifier=None):
@@ -136,7 +137,7 @@ def test_nan_reward_raises(monkeypatch):
         r[1] = float("nan")
         return r
 
-    monkeypatch.setattr(trainer, "digit_reward", nan_reward)
+    monkeypatch.setattr(digits, "digit_reward", nan_reward)
     cfg = GRPOConfig(
         steps=1, prompts_per_step=1, group_size=2, num_steps=2, window=2, eval_per_digit=0,
         progress=False,

@@ -1,42 +1,69 @@
-"""Online Flow-GRPO on the embedded digits DiT, with the gradient through JAGG.
+"""Online Flow-GRPO for any task, with the gradient through JAGG.
 
-One training step of :func:`train`:
+``GRPOTrainer(config, task=...)`` trains a task's velocity model (a
+:class:`~jagg_autograd.tasks.GRPOTask`: model, prompts, reward, held-out evaluation; the
+digits demo is ``task="digits"``).  One GRPO step, with Flow-GRPO's names:
 
-1. **Rollout** (``torch.no_grad``): ``prompts_per_step`` digit labels, each repeated
-   ``group_size`` times, are sampled with Flow-GRPO's SDE step
-   (:func:`jagg_autograd.grpo.sde_step_with_logprob`) over ``num_steps`` steps; the latents
-   ``x_0..x_T`` and the old log-probs ``log p(x_{k+1} | x_k)`` are stored.
-2. **Reward**: the shipped classifier's probability of the prompted digit
-   (:func:`jagg_autograd.models.digits.digit_reward`); per-prompt group advantages
+1. **Rollout** (``torch.no_grad``, :func:`jagg_autograd.rollout.sample_trajectories`):
+   ``prompts_per_step`` prompts, each repeated ``group_size`` times, sampled with Flow-GRPO's
+   SDE step (``sde_type="dance"``: DanceGRPO's) over ``num_steps`` steps, in minibatches of
+   ``B / (optimizer_steps_per_rollout * gradient_accumulation_steps)`` samples; latents
+   ``x_0..x_T``, old log-probs and the velocities are stored in the (T, B, ...) layout.
+2. **Reward** (the task's) and per-prompt group advantages
    (:func:`jagg_autograd.grpo.group_advantages`, which raises on NaN rewards).
-3. **Training** over the stored trajectory: the velocities ``v_k`` of the stored latents
-   are recomputed with :func:`jagg_autograd.jagg_trajectory` (``mode="exact"``, JAGG, or
-   JAGG with a :class:`~jagg_autograd.CosineRouter`), the log-probs of the stored
-   ``x_{k+1}`` under the current policy come from the same SDE step, and the clipped GRPO
-   loss averaged over the steps is minimised with AdamW.  Two baselines train on a
-   subset of steps at a chosen backward budget instead: ``mode="subsample"`` (DanceGRPO's
-   timestep_fraction: a random subset of steps per sample) and ``mode="mixgrpo"``
-   (MixGRPO: SDE only inside a window of ``window`` steps that slides along the
-   trajectory during training, ODE elsewhere; only the window's steps are trained).
+3. **Training**, ``num_inner_epochs`` passes over the minibatches; the optimizer steps
+   every ``gradient_accumulation_steps`` minibatches (``optimizer_steps_per_rollout``
+   steps per epoch; the old name ``minibatches`` is an alias).  A minibatch's trained steps
+   are a ``timestep_fraction`` of the T steps: a prefix (Flow-GRPO) or a random subset per
+   sample (``timestep_selection="random"``, DanceGRPO).  Their velocities come from ONE
+   :func:`jagg_autograd.jagg_trajectory` call (``mode="exact"``: every step with grad;
+   ``"jagg"``; ``"router"``: JAGG + :class:`~jagg_autograd.CosineRouter`); each step's
+   log-prob of the stored move gives the clipped GRPO loss (``clip_range``,
+   ``adv_clip_max``, plus ``beta`` times Flow-GRPO's KL to the reference policy: the model
+   with its LoRA adapters disabled, or a frozen copy of the initial weights for full
+   fine-tuning, evaluated once per rollout), averaged over the trained steps (the 1/T').
+   Gradient-norm clipping ``max_grad_norm``, AdamW.
+
+   An **on-policy** minibatch (no optimizer step since the rollout) with
+   ``reuse_values=True`` passes the rollout's velocities as ``values=`` with
+   ``deferred=True``: no model call but the anchors'.  Off-policy ones recompute:
+   ``deferred=True`` (``placement``/``budget`` apply), else today's eager path.  Each
+   step's log row says which path ran (``paths``).  ``mode="exact"`` and the two baselines
+   never take these paths.  Baselines: ``mode="subsample"`` (DanceGRPO's random subset of
+   ``subsample_steps`` steps per sample, trained exactly; the same as ``mode="exact"`` with
+   ``timestep_selection="random"`` and that fraction) and ``mode="mixgrpo"`` (MixGRPO: SDE
+   only inside a window of ``window`` steps that slides along the trajectory during
+   training, ODE elsewhere; only the window's steps are trained).
 
 Optional along the run: a held-out evaluation every ``eval_every`` steps (SDE or ODE
 sampler, fixed noise never used in training) and a gradient probe every ``probe_every``
 steps (cosine / relative error of the run's gradient estimator to the exact gradient on a
 separate full-SDE batch).  Neither touches the training noise stream nor the timings.
-:class:`GRPOTrainer` runs the loop one step at a time (the quality study interleaves
-several of them); :func:`train` is the whole run.
+
+**Runs keep what they did.** With ``out`` set, the folder is checked (and a previous run's
+``reward.png`` removed) before anything is trained; ``log.json`` is written atomically
+after every step with a ``run_id``, ``started_at`` and ``status`` ("running",
+"finished", "interrupted", "failed"); Ctrl-C and errors leave a valid partial log with
+every finished step.  A non-finite loss or gradient norm stops the run with a
+:class:`TrainingDivergedError` naming the step, before the optimizer step.
 
 The parameters change only through optimizer steps, so with ``batching="per_step"`` the
 first log-prob recomputation after a rollout reproduces the rollout's bit for bit (ratio 1);
-:func:`rollout` and :func:`trajectory_log_probs` are public so that this can be tested.
+:func:`rollout` and :func:`trajectory_log_probs` (the digits-shaped wrappers kept from the
+demo) are public so that this can be tested.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import datetime as _dt
+import inspect
 import json
 import math
+import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,27 +76,34 @@ from jagg_autograd.diagnostics import compare_grads
 from jagg_autograd.grpo import (
     group_advantages,
     grpo_loss,
-    ode_step,
+    kl_to_reference,
     sde_step_with_logprob,
     shifted_sigma_schedule,
 )
-from jagg_autograd.models.digits import (
-    NUM_CLASSES,
-    digit_reward,
-    load_digits_classifier,
-    load_digits_dit,
+from jagg_autograd.rollout import (
+    STEP_SELECTIONS,
+    Trajectories,
+    policy_log_probs,
+    reference_means,
+    sample_trajectories,
+    select_steps,
 )
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD, CosineRouter
+from jagg_autograd.tasks import GRPOTask, get_task, task_factory
 from jagg_autograd.window import BATCHINGS, expected_anchor_count, jagg_trajectory
 
 __all__ = [
     "MODES",
+    "PLACEMENTS",
+    "PRECISIONS",
     "SAMPLERS",
     "SCHEDULES",
+    "STEP_SELECTIONS",
     "TUNING",
     "GRPOConfig",
     "GRPOTrainer",
     "Rollout",
+    "TrainingDivergedError",
     "evaluate",
     "rollout",
     "sigma_schedule",
@@ -81,6 +115,14 @@ MODES = ("exact", "jagg", "router", "subsample", "mixgrpo")
 SAMPLERS = ("sde", "ode")
 SCHEDULES = ("linear", "shifted")
 TUNING = ("full", "lora")
+PRECISIONS = ("fp32", "bf16")
+PLACEMENTS = ("uniform", "adaptive")
+SDE_TYPES = ("flow", "dance")
+_JAGG_MODES = ("jagg", "router")  # the modes that take values / deferred / placement
+
+
+class TrainingDivergedError(RuntimeError):
+    """A non-finite loss or gradient norm: the run stops before the optimizer step."""
 
 
 def _is_int(x: object) -> bool:
@@ -93,7 +135,7 @@ def _is_real(x: object) -> bool:
 
 @dataclass
 class GRPOConfig:
-    """Settings of one online GRPO run on the digits DiT (defaults = the demo's defaults).
+    """Settings of one online GRPO run (defaults = the digits demo's defaults).
 
     The defaults make the default run visibly learn on a 2-core CPU in a few minutes:
 
@@ -105,23 +147,34 @@ class GRPOConfig:
     * the linear schedule ``sigma_i = 1 - i/T`` the DiT was trained and evaluated on, 10 SDE
       steps at ``eta = 0.7``, JAGG with window 4 and shared anchors (4 anchors of 10 steps);
     * one optimizer step per rollout, so every ratio is exactly 1 when the gradient is
-      taken and ``clip_range`` (Flow-GRPO's 1e-4, kept) only acts with ``minibatches > 1``,
-      on the chunks trained after an earlier optimizer step of the same rollout.
+      taken and ``clip_range`` (Flow-GRPO's 1e-4, kept) only acts with
+      ``optimizer_steps_per_rollout > 1`` or ``num_inner_epochs > 1``, on the minibatches
+      trained after an earlier optimizer step of the same rollout;
+    * ``reuse_values``, ``deferred`` off and ``placement="uniform"``: today's eager JAGG
+      path (the quality study sets these defaults).
     """
 
+    task: str = "digits"
+    """Registered task name (:func:`jagg_autograd.tasks.get_task`); a task object given to
+    :class:`GRPOTrainer` replaces it (its ``name`` is logged)."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the task's factory (the digits task also gets
+    ``eval_per_digit`` from this config)."""
     steps: int = 60
     """GRPO steps (rollout + optimizer steps)."""
     prompts_per_step: int = 8
-    """Distinct digit prompts per rollout (drawn without replacement from 0..9)."""
+    """Distinct prompts per rollout (digits: drawn without replacement from 0..9)."""
     group_size: int = 4
     """Samples per prompt; advantages are normalised within each group."""
     num_steps: int = 10
     """Sampler steps T of a trajectory."""
     noise_level: float = 0.7
     """SDE noise level eta of Flow-GRPO's step."""
+    sde_type: str = "flow"
+    """SDE step: "flow" (Flow-GRPO) or "dance" (DanceGRPO)."""
     schedule: str = "linear"
-    """Sigma schedule: "linear" (sigma_i = 1 - i/T, what the DiT was evaluated with) or
-    "shifted" (SD3's shift)."""
+    """Sigma schedule: "linear" (sigma_i = 1 - i/T, what the digits DiT was evaluated with)
+    or "shifted" (:func:`~jagg_autograd.grpo.shifted_sigma_schedule`, FLUX/DanceGRPO's)."""
     shift: float = 3.0
     """Shift of the "shifted" schedule."""
     mode: str = "jagg"
@@ -143,9 +196,28 @@ class GRPOConfig:
     mix_shift_interval: int | None = None
     """mode="mixgrpo": GRPO steps between moves of the window by one step (None: the
     window sweeps the trajectory once, ``max(1, steps // (num_steps - window + 1))``)."""
+    timestep_fraction: float = 1.0
+    """Fraction of the T steps trained per sample, T' = max(1, int(T * fraction))
+    (Flow-GRPO's and DanceGRPO's ``timestep_fraction``)."""
+    timestep_selection: str = "prefix"
+    """Which T' steps: "prefix" (steps 0..T'-1, Flow-GRPO) or "random" (a random subset
+    per sample and rollout, DanceGRPO)."""
     batching: str = "stacked"
     """jagg_trajectory batching: "stacked" (fewest model calls) or "per_step"
     (bit-identical to the rollout)."""
+    reuse_values: bool = False
+    """On-policy minibatches pass the rollout's velocities as ``values=`` (deferred
+    backward, no forward but the anchors'); modes jagg and router only."""
+    deferred: bool = False
+    """jagg_trajectory(deferred=True) on every minibatch: anchors run with grad in the
+    backward, chunk by chunk (per-step-loop activation memory)."""
+    placement: str = "uniform"
+    """Anchor placement: "uniform" (the window layout) or "adaptive" (needs ``deferred``;
+    mode="router" always uses "uniform")."""
+    budget: float | None = None
+    """placement="adaptive": mean anchors per sample (None: the uniform layout's count)."""
+    chunk_size: int | None = None
+    """jagg_trajectory chunk_size (deferred: samples per anchor call; None: the default)."""
     lr: float = 1e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -154,17 +226,26 @@ class GRPOConfig:
     """PPO ratio clip epsilon of the GRPO loss (Flow-GRPO's value)."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to +-adv_clip_max."""
+    beta: float = 0.0
+    """Weight of Flow-GRPO's KL to the reference policy (0: off, no reference pass)."""
     max_grad_norm: float | None = 1.0
     """Gradient-norm clip (None: off)."""
-    minibatches: int = 1
-    """Optimizer steps per rollout; the rollout is sampled in that many chunks so that each
-    chunk's recomputation matches the rollout's batch exactly."""
+    optimizer_steps_per_rollout: int = 1
+    """Optimizer steps per rollout and inner epoch (Flow-GRPO: 2, so the first half of
+    the minibatches is on-policy)."""
+    minibatches: int | None = None
+    """Old name of ``optimizer_steps_per_rollout`` (an alias: moved there, then None)."""
+    gradient_accumulation_steps: int = 1
+    """Minibatches per optimizer step (Flow-GRPO's count GA, NOT GA x T': one JAGG call
+    per minibatch covers all its trained steps)."""
+    num_inner_epochs: int = 1
+    """Passes over the rollout's minibatches (Flow-GRPO's ``num_inner_epochs``)."""
     tuning: str = "full"
-    """"full" (all DiT parameters) or "lora" (peft adapters on the attention projections)."""
+    """"full" (all model parameters) or "lora" (peft adapters; needs peft)."""
     lora_rank: int = 8
     """LoRA rank (tuning="lora")."""
     eval_per_digit: int = 16
-    """Samples per digit for the fixed-noise evaluation before and after training (0: off)."""
+    """Held-out evaluation size: the digits task's samples per digit (0: no evaluation)."""
     eval_every: int = 0
     """Also evaluate every ``eval_every`` GRPO steps (0: only before and after)."""
     eval_sampler: str = "sde"
@@ -178,6 +259,11 @@ class GRPOConfig:
     full-SDE batch of the current policy (0: off; excluded from the timings)."""
     seed: int = 0
     """Seeds the prompts, the rollout noise and the evaluation noise."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N"); noise is drawn on the CPU, so runs agree across devices
+    up to the model's round-off."""
+    precision: str = "fp32"
+    """"fp32" or "bf16" (the model under torch.autocast; latents, log-probs, loss in fp32)."""
     out: str | None = None
     """Folder for ``log.json`` and ``reward.png`` (None: nothing written)."""
     threads: int | None = 1
@@ -187,23 +273,62 @@ class GRPOConfig:
     progress: bool = True
     """Show a tqdm progress bar."""
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+    def __post_init__(self) -> None:
+        if self.minibatches is not None:
+            if self.optimizer_steps_per_rollout not in (1, self.minibatches):
+                raise ValueError(
+                    f"minibatches={self.minibatches!r} is the old name of "
+                    f"optimizer_steps_per_rollout={self.optimizer_steps_per_rollout!r}: give one"
+                )
+            self.optimizer_steps_per_rollout = self.minibatches
+            self.minibatches = None
+
+    @property
+    def num_minibatches(self) -> int:
+        """Minibatches per rollout: optimizer steps per epoch x accumulation steps."""
+        return self.optimizer_steps_per_rollout * self.gradient_accumulation_steps
+
+    @property
+    def num_train_steps(self) -> int:
+        """T': the steps trained per sample (mode="subsample": ``subsample_steps``)."""
+        if self.mode == "subsample":
+            return self.subsample_steps or expected_anchor_count(
+                self.num_steps, self.window, self.shared_anchors
+            )
+        if self.mode == "mixgrpo":
+            return self.window
+        return max(1, int(self.num_steps * self.timestep_fraction))
+
+    def validate(self, task: GRPOTask | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field.
+
+        ``task``: the task object the run uses (default: the registered ``self.task``),
+        whose ``max_prompts`` bounds ``prompts_per_step``.
+        """
         ints_pos = {
             "steps": self.steps,
             "prompts_per_step": self.prompts_per_step,
             "group_size": self.group_size,
             "num_steps": self.num_steps,
-            "minibatches": self.minibatches,
+            "optimizer_steps_per_rollout": self.optimizer_steps_per_rollout,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "num_inner_epochs": self.num_inner_epochs,
             "lora_rank": self.lora_rank,
         }
         for name, v in ints_pos.items():
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.prompts_per_step > NUM_CLASSES:
+        if not isinstance(self.task, str):
+            raise ValueError(f"task must be a registered task name, got {self.task!r}")
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"task_options must be a dict, got {self.task_options!r}")
+        source = task if task is not None else task_factory(self.task)
+        max_prompts = getattr(source, "max_prompts", None)
+        if max_prompts is not None and self.prompts_per_step > max_prompts:
+            name = getattr(source, "name", None) or self.task
             raise ValueError(
-                f"prompts_per_step must be <= {NUM_CLASSES} (distinct digits), "
-                f"got {self.prompts_per_step}"
+                f"prompts_per_step must be <= {max_prompts} (distinct prompts of task "
+                f"{name!r}), got {self.prompts_per_step}"
             )
         if self.group_size < 2:
             raise ValueError(
@@ -213,9 +338,22 @@ class GRPOConfig:
             raise ValueError(
                 f"num_steps must be >= 2 (a trajectory of >= 2 steps), got {self.num_steps}"
             )
-        if self.eval_sampler not in SAMPLERS:
-            raise ValueError(f"eval_sampler must be one of {SAMPLERS}, got {self.eval_sampler!r}")
-        for name, v in (("eval_every", self.eval_every), ("probe_every", self.probe_every)):
+        choices = {
+            "eval_sampler": SAMPLERS,
+            "mode": MODES,
+            "schedule": SCHEDULES,
+            "batching": BATCHINGS,
+            "tuning": TUNING,
+            "precision": PRECISIONS,
+            "placement": PLACEMENTS,
+            "timestep_selection": STEP_SELECTIONS,
+            "sde_type": SDE_TYPES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("eval_every", "probe_every"):
+            v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.eval_seed is not None and not _is_int(self.eval_seed):
@@ -237,44 +375,58 @@ class GRPOConfig:
             not _is_real(self.jagg_frac) or not 0.0 <= self.jagg_frac <= 1.0
         ):
             raise ValueError(f"jagg_frac must be None or in [0, 1], got {self.jagg_frac!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.batching not in BATCHINGS:
-            raise ValueError(f"batching must be one of {BATCHINGS}, got {self.batching!r}")
-        if self.tuning not in TUNING:
-            raise ValueError(f"tuning must be one of {TUNING}, got {self.tuning!r}")
         if not _is_int(self.window) or not 2 <= self.window <= self.num_steps:
             raise ValueError(
                 f"window must be an int in [2, num_steps={self.num_steps}], got {self.window!r}"
             )
-        if not isinstance(self.shared_anchors, bool):
-            raise ValueError(f"shared_anchors must be a bool, got {self.shared_anchors!r}")
-        if not _is_real(self.noise_level) or self.noise_level <= 0:
-            raise ValueError(f"noise_level must be a finite number > 0, got {self.noise_level!r}")
-        if not _is_real(self.shift) or self.shift <= 0:
-            raise ValueError(f"shift must be a finite number > 0, got {self.shift!r}")
+        for name in ("shared_anchors", "reuse_values", "deferred", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        positive = {
+            "noise_level": self.noise_level,
+            "shift": self.shift,
+            "lr": self.lr,
+            "adv_clip_max": self.adv_clip_max,
+        }
+        for name, v in positive.items():
+            if not _is_real(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("weight_decay", "clip_range", "beta"):
+            v = getattr(self, name)
+            if not _is_real(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not _is_real(self.threshold):
             raise ValueError(f"threshold must be a finite number, got {self.threshold!r}")
-        if not _is_real(self.lr) or self.lr <= 0:
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not _is_real(self.weight_decay) or self.weight_decay < 0:
-            raise ValueError(
-                f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
-            )
-        if not _is_real(self.clip_range) or self.clip_range < 0:
-            raise ValueError(f"clip_range must be a finite number >= 0, got {self.clip_range!r}")
-        if not _is_real(self.adv_clip_max) or self.adv_clip_max <= 0:
-            raise ValueError(f"adv_clip_max must be a finite number > 0, got {self.adv_clip_max!r}")
         if self.max_grad_norm is not None and (
             not _is_real(self.max_grad_norm) or self.max_grad_norm <= 0
         ):
             raise ValueError(f"max_grad_norm must be None or > 0, got {self.max_grad_norm!r}")
-        if (self.prompts_per_step * self.group_size) % self.minibatches:
+        if not _is_real(self.timestep_fraction) or not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction!r}")
+        if self.mode in ("subsample", "mixgrpo") and (
+            self.timestep_fraction != 1.0 or self.timestep_selection != "prefix"
+        ):
             raise ValueError(
-                f"minibatches={self.minibatches} must divide the rollout batch "
-                f"prompts_per_step * group_size = {self.prompts_per_step * self.group_size}"
+                f"timestep_fraction / timestep_selection do not combine with mode={self.mode!r} "
+                "(subsample: set subsample_steps; mixgrpo: set window)"
+            )
+        if self.budget is not None and (not _is_real(self.budget) or self.budget <= 0):
+            raise ValueError(f"budget must be None or a finite number > 0, got {self.budget!r}")
+        if self.placement == "adaptive" and not self.deferred and self.mode == "jagg":
+            raise ValueError(
+                'placement="adaptive" needs deferred=True (anchors chosen in the '
+                "backward, from the upstream gradients)"
+            )
+        if self.chunk_size is not None and (not _is_int(self.chunk_size) or self.chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {self.chunk_size!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.num_minibatches:
+            raise ValueError(
+                f"optimizer_steps_per_rollout (minibatches) x gradient_accumulation_steps = "
+                f"{self.num_minibatches} must divide the rollout batch "
+                f"prompts_per_step * group_size = {batch}"
             )
         if not _is_int(self.eval_per_digit) or self.eval_per_digit < 0:
             raise ValueError(f"eval_per_digit must be an int >= 0, got {self.eval_per_digit!r}")
@@ -286,14 +438,27 @@ class GRPOConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolved(self) -> dict[str, Any]:
+        """:meth:`to_dict` plus what the run derives from it (logged as ``config``)."""
+        d = self.to_dict()
+        d["minibatches"] = self.optimizer_steps_per_rollout
+        d["num_minibatches"] = self.num_minibatches
+        d["num_train_steps"] = self.num_train_steps
+        if self.mode == "subsample":
+            d["timestep_fraction"] = self.num_train_steps / self.num_steps
+            d["timestep_selection"] = "random"
+        if self.mode == "router":
+            d["placement"] = "uniform"  # the router and the adaptive budget do not combine
+        return d
+
 
 # --------------------------------------------------------------------------------------------
-# rollout and log-probs
+# the digits-shaped rollout kept from the demo (wrappers of jagg_autograd.rollout)
 # --------------------------------------------------------------------------------------------
 
 
 def sigma_schedule(config: GRPOConfig) -> torch.Tensor:
-    """``(num_steps + 1,)`` float64 sigmas from 1 to 0: linear ``1 - i/T`` or SD3-shifted."""
+    """``(num_steps + 1,)`` float64 sigmas from 1 to 0: linear ``1 - i/T`` or shifted."""
     if config.schedule == "linear":
         return torch.linspace(1.0, 0.0, config.num_steps + 1, dtype=torch.float64)
     return shifted_sigma_schedule(config.num_steps, config.shift, dtype=torch.float64)
@@ -301,17 +466,27 @@ def sigma_schedule(config: GRPOConfig) -> torch.Tensor:
 
 @dataclass
 class Rollout:
-    """One batch of stored trajectories.
+    """One batch of stored trajectories of a label-conditioned model (the digits demo's).
 
-    latents: ``(T + 1, B, 1, 8, 8)`` float32, ``x_0`` (noise) .. ``x_T`` (the image).
+    latents: ``(T + 1, B, *S)`` float32, ``x_0`` (noise) .. ``x_T`` (the image).
     log_probs: ``(T, B)`` float32, ``log p(x_{k+1} | x_k)`` under the rollout policy.
-    labels: ``(B,)`` int64 prompts.
+    labels: ``(B,)`` int64 prompts.  ``extra["velocities"]``: ``(T, B, *S)``.
     """
 
     latents: torch.Tensor
     log_probs: torch.Tensor
     labels: torch.Tensor
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _as_trajectories(ro: Rollout, sigmas: torch.Tensor) -> Trajectories:
+    return Trajectories(
+        ro.latents,
+        sigmas.to(ro.latents.device),
+        ro.log_probs,
+        ro.extra.get("velocities"),
+        {"labels": ro.labels},
+    )
 
 
 @torch.no_grad()
@@ -323,35 +498,29 @@ def rollout(
     noise_level: float,
     generator: torch.Generator | None = None,
     sde_steps: Sequence[int] | None = None,
+    latent_shape: tuple[int, ...] = (1, 8, 8),
 ) -> Rollout:
-    """Sample trajectories with the SDE step, storing latents and old log-probs.
+    """Sample trajectories of ``model(z, t, labels=labels)``, storing latents and old log-probs.
 
-    The model is called exactly as :func:`jagg_trajectory` calls it with
-    ``batching="per_step"`` (``z (B, 1, 8, 8)``, ``t (B,)`` float32 filled with ``sigma_k``,
-    ``labels (B,)``), which is what makes that recomputation bit-identical.
+    :func:`jagg_autograd.rollout.sample_trajectories` from ``x_0 = randn((B, *latent_shape),
+    generator)``: the model is called exactly as :func:`jagg_trajectory` calls it with
+    ``batching="per_step"``, which is what makes that recomputation bit-identical.
     ``sde_steps``: the steps that use the SDE (None: all); the others take the
     deterministic ODE step, draw no noise and get log-prob NaN (they cannot be trained):
     an empty list is the ODE sampler, a window of steps is MixGRPO's mixed sampler.
     """
-    s = sigmas.tolist()
     n = labels.shape[0]
-    sde = set(range(len(s) - 1)) if sde_steps is None else set(sde_steps)
-    x = torch.randn((n, 1, 8, 8), generator=generator, dtype=torch.float32)
-    xs = [x]
-    lps = []
-    for k in range(len(s) - 1):
-        t = torch.full((n,), s[k], dtype=torch.float32)
-        v = model(x, t, labels=labels)
-        if k in sde:
-            x, lp, _, _ = sde_step_with_logprob(
-                v, x, s[k], s[k + 1], noise_level=noise_level, sigma_max=s[1], generator=generator
-            )
-        else:
-            x = ode_step(v, x, s[k], s[k + 1])
-            lp = torch.full((n,), math.nan)
-        xs.append(x)
-        lps.append(lp)
-    return Rollout(torch.stack(xs), torch.stack(lps), labels)
+    x = torch.randn((n, *latent_shape), generator=generator, dtype=torch.float32)
+    tr = sample_trajectories(
+        model,
+        x.to(labels.device),
+        sigmas,
+        cond={"labels": labels},
+        noise_level=noise_level,
+        generator=generator,
+        sde_steps=sde_steps,
+    )
+    return Rollout(tr.latents, tr.log_probs, labels, {"velocities": tr.velocities})
 
 
 def trajectory_log_probs(
@@ -375,36 +544,66 @@ def trajectory_log_probs(
     ``x_{k+1}``. Returns ``(log_probs, JaggStats)``.
     """
     T = ro.latents.shape[0] - 1
-    lo, hi = (0, T) if steps is None else steps
-    if not 0 <= lo < hi <= T or hi - lo < 2:
+    if steps is not None and (not 0 <= steps[0] < steps[1] <= T or steps[1] - steps[0] < 2):
         raise ValueError(f"steps must be (lo, hi) with 0 <= lo, lo + 2 <= hi <= {T}, got {steps}")
-    s = sigmas.tolist()
-    core_mode = "exact" if mode == "exact" else "jagg"
-    v, stats = jagg_trajectory(
+    res = policy_log_probs(
         model,
-        ro.latents[lo:hi],
-        sigmas[lo:hi],
-        window=min(window, hi - lo),
+        _as_trajectories(ro, sigmas),
+        steps=steps,
+        noise_level=noise_level,
+        mode=mode,
+        window=window,
         shared_anchors=shared_anchors,
-        cond={"labels": ro.labels},
-        mode=core_mode,
         router=router if mode == "router" else None,
         batching=batching,
-        return_stats=True,
     )
+    return res.log_probs, res.stats
+
+
+def _subsample(
+    model: Callable[..., torch.Tensor],
+    traj: Trajectories,
+    *,
+    noise_level: float,
+    num: int,
+    generator: torch.Generator | None,
+    batching: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DanceGRPO's subsampling on :class:`Trajectories` (see :func:`subsample_log_probs`)."""
+    T, B = traj.log_probs.shape
+    if not 1 <= num <= T:
+        raise ValueError(f"num must be in [1, T={T}], got {num}")
+    ks = torch.argsort(torch.rand((B, T), generator=generator), dim=1)[:, :num].T.contiguous()
+    ks = ks.to(traj.latents.device)
+    bs = torch.arange(B, device=ks.device).expand(num, B)
+    z, nxt = traj.latents[ks, bs], traj.latents[ks + 1, bs]
+    sig = traj.sigmas if traj.sigmas.dim() == 2 else traj.sigmas[:, None].expand(-1, B)
+    sig, sig_next = sig[ks, bs], sig[ks + 1, bs]
+    sigma_max = float(traj.sigmas[1].max())
+    slots = [slice(None)] if batching == "stacked" else [slice(j, j + 1) for j in range(num)]
     lps = []
-    for i, k in enumerate(range(lo, hi)):
+    for sl in slots:
+        zs = z[sl].flatten(0, 1)
+        n = zs.shape[0] // B
+        cond = {
+            k: v.repeat(n, *([1] * (v.dim() - 1)))
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B
+            else v
+            for k, v in traj.cond.items()
+        }
+        v = model(zs, sig[sl].flatten().to(zs.dtype), **cond)
         _, lp, _, _ = sde_step_with_logprob(
-            v[i],
-            ro.latents[k],
-            s[k],
-            s[k + 1],
+            v,
+            zs,
+            sig[sl].flatten(),
+            sig_next[sl].flatten(),
             noise_level=noise_level,
-            sigma_max=s[1],
-            prev_sample=ro.latents[k + 1],
+            sigma_max=sigma_max if traj.sde_type == "flow" else None,
+            prev_sample=nxt[sl].flatten(0, 1),
+            sde_type=traj.sde_type,
         )
-        lps.append(lp)
-    return torch.stack(lps), stats
+        lps.append(lp.view(n, B))
+    return torch.cat(lps), traj.log_probs[ks, bs], ks
 
 
 def subsample_log_probs(
@@ -424,31 +623,14 @@ def subsample_log_probs(
     old_log_probs (num, B), steps (num, B))``: slot j of sample b is step ``steps[j, b]``.
     With ``batching="stacked"`` the ``num * B`` evaluations are one model call.
     """
-    T, B = ro.log_probs.shape
-    if not 1 <= num <= T:
-        raise ValueError(f"num must be in [1, T={T}], got {num}")
-    ks = torch.argsort(torch.rand((B, T), generator=generator), dim=1)[:, :num].T.contiguous()
-    bs = torch.arange(B).expand(num, B)
-    z, nxt = ro.latents[ks, bs], ro.latents[ks + 1, bs]
-    sig, sig_next = sigmas[ks], sigmas[ks + 1]
-    sigma_max = float(sigmas[1])
-    slots = [slice(None)] if batching == "stacked" else [slice(j, j + 1) for j in range(num)]
-    lps = []
-    for sl in slots:
-        zs = z[sl].flatten(0, 1)
-        n = zs.shape[0] // B
-        v = model(zs, sig[sl].flatten().to(torch.float32), labels=ro.labels.repeat(n))
-        _, lp, _, _ = sde_step_with_logprob(
-            v,
-            zs,
-            sig[sl].flatten(),
-            sig_next[sl].flatten(),
-            noise_level=noise_level,
-            sigma_max=sigma_max,
-            prev_sample=nxt[sl].flatten(0, 1),
-        )
-        lps.append(lp.view(n, B))
-    return torch.cat(lps), ro.log_probs[ks, bs], ks
+    return _subsample(
+        model,
+        _as_trajectories(ro, sigmas),
+        noise_level=noise_level,
+        num=num,
+        generator=generator,
+        batching=batching,
+    )
 
 
 def mix_window_start(config: GRPOConfig, step: int) -> int:
@@ -473,12 +655,15 @@ def evaluate(
     seed: int,
     sampler: str = "sde",
 ) -> dict[str, Any]:
-    """Mean reward of ``per_digit`` samples of every digit, with fixed noise (``seed``).
+    """Digits: mean reward of ``per_digit`` samples of every digit, with fixed noise (``seed``).
 
     ``sampler``: "sde" (the rollout's SDE step) or "ode" (deterministic Euler steps, the
     noise is only the initial latent).  The same seed before and after training gives the
-    same noise, so the difference is the policy's.
+    same noise, so the difference is the policy's.  (The trainer evaluates any task the
+    same way, through the task's ``eval_prompts`` and ``reward``.)
     """
+    from jagg_autograd.models.digits import NUM_CLASSES, digit_reward
+
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     labels = torch.arange(NUM_CLASSES).repeat_interleave(per_digit)
@@ -501,18 +686,736 @@ def evaluate(
 
 
 # --------------------------------------------------------------------------------------------
-# training
+# the policy call, the reference and the loss
 # --------------------------------------------------------------------------------------------
 
 
-def _trainable(model: nn.Module, config: GRPOConfig) -> list[nn.Parameter]:
-    if config.tuning == "lora":
-        from jagg_autograd.integrations.diffusers import add_lora
+class _Policy(nn.Module):
+    """The task's velocity model under the run's precision, counting the samples it sees.
 
-        # The label embeddings stay frozen with LoRA: only the adapters train.
-        return add_lora(model.transformer, rank=config.lora_rank)
-    model.requires_grad_(True)
-    return [p for p in model.parameters() if p.requires_grad]
+    ``bf16``: the call runs under ``torch.autocast`` and the velocity is returned in the
+    latents' dtype (log-probs and the loss stay fp32).  ``forward_samples`` /
+    ``grad_samples`` count the samples of every call (with grad: while grad is enabled).
+    """
+
+    def __init__(self, model: nn.Module, precision: str, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        self.autocast = precision == "bf16"
+        self.device_type = device.type
+        self.forward_samples = 0
+        self.grad_samples = 0
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
+        self.forward_samples += z.shape[0]
+        if torch.is_grad_enabled():
+            self.grad_samples += z.shape[0]
+        if not self.autocast:
+            return self.model(z, t, **cond)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            v = self.model(z, t, **cond)
+        return v.to(z.dtype)
+
+
+class _AdaptersOff:
+    """The reference policy of LoRA training: the policy call with every adapter off."""
+
+    def __init__(self, policy: _Policy) -> None:
+        self.policy = policy
+
+    def __call__(self, z: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
+        from jagg_autograd.integrations.diffusers import adapters_disabled
+
+        with adapters_disabled(self.policy.model):
+            return self.policy(z, t, **cond)
+
+
+def _grpo_loss_mean(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    config: GRPOConfig,
+    kl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Mean over the trained slots of the clipped GRPO loss; ``lp``, ``old``, ``kl``: (n, B)."""
+    losses, infos = [], []
+    for j in range(lp.shape[0]):
+        loss_j, info_j = grpo_loss(
+            lp[j],
+            old[j],
+            adv,
+            clip_range=config.clip_range,
+            adv_clip_max=config.adv_clip_max,
+            kl=None if kl is None else kl[j],
+            beta=config.beta if kl is not None else 0.0,
+        )
+        losses.append(loss_j)
+        infos.append(info_j)
+    # Mean over the trained steps (the 1/T'): Flow-GRPO accumulates every step's loss into
+    # one optimizer step, scaled so that the step count does not change the learning rate;
+    # over a random subset this mean is an unbiased estimate of the full one.
+    return torch.stack(losses).mean(), infos
+
+
+def _core_available() -> bool:
+    return "values" in inspect.signature(jagg_trajectory).parameters
+
+
+@dataclass
+class _Minibatch:
+    """A rollout minibatch and what is fixed for it until the next rollout."""
+
+    traj: Trajectories
+    adv: torch.Tensor
+    steps: tuple[int, int] | torch.Tensor | None
+    ref_means: torch.Tensor | None = None
+
+
+def _minibatch_loss(
+    tr: GRPOTrainer,
+    mb: _Minibatch,
+    *,
+    mode: str,
+    step: int,
+    generator: torch.Generator,
+    on_policy: bool,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """The loss whose gradient is this run's estimator on one minibatch, and its cost."""
+    c = tr.config
+    B = mb.traj.batch_size
+    if mode == "subsample":
+        lp, old, _ = _subsample(
+            tr.policy,
+            mb.traj,
+            noise_level=c.noise_level,
+            num=c.num_train_steps,
+            generator=generator,
+            batching=c.batching,
+        )
+        loss, infos = _grpo_loss_mean(lp, old, mb.adv, c)
+        calls = 1 if c.batching == "stacked" else c.num_train_steps
+        grad = c.num_train_steps * B
+        return (
+            loss,
+            infos,
+            {
+                "routed_frac": 0.0,
+                "stats": None,
+                "path": "exact",
+                "grad_forward_calls": calls,
+                "grad_samples": grad,
+                "pairs": grad,
+            },
+        )
+    steps = mb.steps
+    if mode == "mixgrpo":
+        lo = mix_window_start(c, step)
+        steps = (lo, lo + c.window)
+    kw: dict[str, Any] = {}
+    reuse = False
+    path = "exact" if mode in ("exact", "mixgrpo") else "eager"
+    if mode in _JAGG_MODES:
+        reuse = c.reuse_values and on_policy
+        if reuse or c.deferred:
+            # Values are only ever used with the deferred backward (no forward at all but the
+            # anchors'); off-policy minibatches recompute every step.
+            kw.update(deferred=True, params=tr.params)
+            if c.placement != "uniform" and mode == "jagg":
+                kw["placement"] = c.placement
+                if c.budget is not None:
+                    kw["budget"] = c.budget
+            path = "values+deferred" if reuse else "deferred"
+    res = policy_log_probs(
+        tr.policy,
+        mb.traj,
+        steps=steps,
+        noise_level=c.noise_level,
+        mode="exact" if mode in ("exact", "mixgrpo") else "jagg",
+        window=c.window,
+        shared_anchors=c.shared_anchors,
+        router=tr.router if mode == "router" else None,
+        batching=c.batching,
+        chunk_size=c.chunk_size,
+        reuse_values=reuse,
+        core_kwargs=kw,
+    )
+    kl = None
+    if mb.ref_means is not None:
+        kl = torch.stack(
+            [
+                kl_to_reference(res.means[j], mb.ref_means[j], res.std_dev_t[j])
+                for j in range(res.means.shape[0])
+            ]
+        )
+    loss, infos = _grpo_loss_mean(res.log_probs, res.old_log_probs, mb.adv, c, kl)
+    # As the demo always logged it: exact mode counts every window as exact-routed.
+    routed = float(res.stats.exact.float().mean()) if mode != "mixgrpo" else 0.0
+    cost = {"routed_frac": routed, "stats": res.stats, "path": path,
+            "pairs": res.log_probs.numel()}  # fmt: skip
+    return loss, infos, cost
+
+
+def _stats_cost(cost: dict[str, Any]) -> tuple[int, int]:
+    """``(grad_samples, grad_forward_calls)``, read after the backward (deferred calls fill
+    them in there)."""
+    st = cost["stats"]
+    if st is None:
+        return int(cost["grad_samples"]), int(cost["grad_forward_calls"])
+    calls = getattr(st, "grad_forward_calls", st.backward_calls)
+    return int(st.grad_samples), int(calls)
+
+
+def _estimator_loss(
+    model: Callable[..., torch.Tensor],
+    ro: Rollout,
+    adv: torch.Tensor,
+    sigmas: torch.Tensor,
+    config: GRPOConfig,
+    router: CosineRouter | None,
+    *,
+    step: int,
+    generator: torch.Generator,
+    mode: str | None = None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, float]]:
+    """The estimator's loss on a digits :class:`Rollout` (``mode`` overrides the config's).
+
+    A thin front of the trainer's minibatch loss, kept for tests and scripts: eager paths
+    only (no ``values``), all T steps (or the config's subsample / MixGRPO steps).
+    """
+    params = (
+        [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
+    )
+    shim = _Shim(model, config, router, params)
+    mb = _Minibatch(_as_trajectories(ro, sigmas), adv, None)
+    loss, infos, cost = _minibatch_loss(
+        shim,  # type: ignore[arg-type]
+        mb,
+        mode=config.mode if mode is None else mode,
+        step=step,
+        generator=generator,
+        on_policy=False,
+    )
+    gs, calls = _stats_cost(cost)
+    return loss, infos, {"routed_frac": cost["routed_frac"], "backward_calls": calls,
+                         "grad_samples": gs}  # fmt: skip
+
+
+@dataclass
+class _Shim:
+    """What :func:`_minibatch_loss` reads of a trainer, for :func:`_estimator_loss`."""
+
+    policy: Callable[..., torch.Tensor]
+    config: GRPOConfig
+    router: CosineRouter | None
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer
+# --------------------------------------------------------------------------------------------
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` to ``path`` through a temporary file and a rename (never half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def _resolve_task(config: GRPOConfig, name: str) -> GRPOTask:
+    """The registered task ``name`` built with the config's options."""
+    options = dict(config.task_options)
+    params = inspect.signature(task_factory(name)).parameters
+    if "eval_per_digit" in params and "eval_per_digit" not in options:
+        options["eval_per_digit"] = config.eval_per_digit
+    return get_task(name, **options)
+
+
+def _resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available (use device='cpu')")
+    return device
+
+
+class GRPOTrainer:
+    """Online GRPO on a task, one :meth:`step` at a time.
+
+    ``GRPOTrainer(config, task=None)``: ``task`` is a :class:`~jagg_autograd.tasks.GRPOTask`,
+    a registered name, or None (``config.task``, default ``"digits"``).  The constructor
+    checks ``config.out``, builds the task's model on ``config.device`` and, if
+    ``eval_per_digit > 0``, runs the initial evaluation; :meth:`step` runs one GRPO step
+    (plus the probe / evaluation due at it) and returns its log row; :meth:`finish` runs
+    the final evaluation and returns (and writes) the log of :func:`train`.  Each trainer
+    owns its noise generators, so several trainers stepped in turn give the runs each
+    would give alone.
+    """
+
+    def __init__(
+        self, config: GRPOConfig | None = None, task: GRPOTask | str | None = None
+    ) -> None:
+        config = GRPOConfig() if config is None else config
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
+        if isinstance(task, str):
+            config = dataclasses.replace(config, task=task)
+        task_obj = task if isinstance(task, GRPOTask) else None
+        if task_obj is None and task is not None and not isinstance(task, str):
+            raise TypeError(f"task must be a GRPOTask or a task name, got {type(task).__name__}")
+        config.validate(task_obj)
+        wants_core = config.mode in _JAGG_MODES and (
+            config.reuse_values or config.deferred or config.placement != "uniform"
+        )
+        if wants_core and not _core_available():
+            raise ValueError(
+                "reuse_values / deferred / placement need jagg_trajectory(values=, deferred=, "
+                "placement=), which this build of jagg_autograd.window does not have"
+            )
+        self.config = config
+        self.run_id = uuid.uuid4().hex
+        self.started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self._t_start = time.perf_counter()
+        self.out = Path(config.out) if config.out is not None else None
+        self.log: dict[str, Any] = {
+            "run_id": self.run_id,
+            "started_at": self.started_at,
+            "status": "running",
+            "task": config.task,
+            "config": config.resolved(),
+            "steps": [],
+            "evals": [],
+            "eval": {},
+            "rollout_seconds": 0.0,
+            "train_seconds": 0.0,
+            "total_seconds": 0.0,
+            "summary": "",
+            "out": str(self.out) if self.out is not None else None,
+        }
+        self._prepare_out()  # before any model is built: a bad --out fails at once
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.device = _resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.task = (task_obj or _resolve_task(config, config.task)).to(self.device)
+        self.log["task"] = self.log["config"]["task"] = self.task.name or config.task
+        self.model = self.task.velocity_model()
+        self.params = self.task.trainable_parameters(config.tuning, config.lora_rank)
+        self.model.to(self.device)
+        self.policy = _Policy(self.model, config.precision, self.device)
+        self.reference: Callable[..., torch.Tensor] | None = None
+        if config.beta > 0:
+            if config.tuning == "lora":
+                self.reference = _AdaptersOff(self.policy)
+            else:
+                frozen = copy.deepcopy(self.model).requires_grad_(False)
+                self.reference = _Policy(frozen, config.precision, self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.router = (
+            CosineRouter(config.threshold, config.jagg_frac) if config.mode == "router" else None
+        )
+        self.sigmas = sigma_schedule(config)
+        # Disjoint from the training noise stream.
+        self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
+        self.step_index = 0
+        self.rollout_seconds = 0.0
+        self.train_seconds = 0.0
+        self._mb = config.prompts_per_step * config.group_size // config.num_minibatches
+        self.log["sigmas"] = [round(x, 6) for x in self.sigmas.tolist()]
+        self.log["num_trainable_parameters"] = sum(p.numel() for p in self.params)
+        if config.eval_per_digit:
+            try:
+                self._record_eval()
+            except BaseException as exc:
+                self.abort(exc)
+                raise
+        self._write()
+
+    # ------------------------------------------------------------------ files
+
+    def _prepare_out(self) -> None:
+        if self.out is None:
+            return
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for name in ("log.json", "reward.png"):
+                if (self.out / name).is_dir():
+                    raise OSError(f"{self.out / name} is a directory")
+            stale = self.out / "reward.png"
+            if stale.exists():
+                stale.unlink()  # a previous run's plot must not look like this run's
+            self._write()
+        except OSError as exc:
+            raise ValueError(f"out={str(self.out)!r} is not a writable folder: {exc}") from exc
+
+    def _write(self) -> None:
+        if self.out is not None:
+            self.log["total_seconds"] = time.perf_counter() - self._t_start
+            _write_json_atomic(self.out / "log.json", self.log)
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(
+        self,
+        prompts: Sequence[Any],
+        generator: torch.Generator,
+        *,
+        sde_steps: Sequence[int] | None = None,
+    ) -> Trajectories:
+        """Trajectories of ``prompts`` (one sample each), noise from ``generator`` on the CPU."""
+        shape = (len(prompts), *self.task.latent_shape)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        return sample_trajectories(
+            self.policy,
+            noise,
+            self.sigmas,
+            cond=self.task.cond(prompts),
+            noise_level=self.config.noise_level,
+            generator=generator,
+            sde_steps=sde_steps,
+            sde_type=self.config.sde_type,
+        )
+
+    def _group(self, prompts: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
+        """Each prompt ``group_size`` times, and the group ids (the prompt's index)."""
+        g = self.config.group_size
+        rep = [p for p in prompts for _ in range(g)]
+        return rep, torch.arange(len(prompts)).repeat_interleave(g)
+
+    # ------------------------------------------------------------------ measurements
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out reward of the current policy on the fixed evaluation noise."""
+        prompts = self.task.eval_prompts()
+        g = torch.Generator().manual_seed(self.eval_seed)
+        traj = self._sample(prompts, g, sde_steps=[] if self.config.eval_sampler == "ode" else None)
+        final = traj.latents[-1]
+        r = self.task.reward(final, prompts)
+        return {
+            "mean_reward": float(r.mean()),
+            **self.task.eval_breakdown(final, prompts),
+            "samples": len(prompts),
+        }
+
+    def _record_eval(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        counts = self.policy.forward_samples, self.policy.grad_samples
+        ev = self.evaluate()
+        self.policy.forward_samples, self.policy.grad_samples = counts
+        ev.update(
+            step=self.step_index,
+            wall_seconds=self.rollout_seconds + self.train_seconds,
+            train_seconds=self.train_seconds,
+            sampler=self.config.eval_sampler,
+            eval_seconds=time.perf_counter() - t0,
+        )
+        self.log["evals"].append(ev)
+        return ev
+
+    def probe(self) -> dict[str, float]:
+        """Cosine / relative error of this run's gradient to the exact one, now.
+
+        On a fresh full-SDE batch of the current policy (same prompts and noise for every
+        run with this ``eval_seed`` at this step): the exact gradient of the mean GRPO loss
+        over all T steps against this run's estimator of it on the same batch (the
+        routed/JAGG gradient, the subsampled one, or MixGRPO's window of this step).
+        Nothing is accumulated into ``.grad``.
+        """
+        c = self.config
+        t0 = time.perf_counter()
+        counts = self.policy.forward_samples, self.policy.grad_samples
+        g = torch.Generator().manual_seed((self.eval_seed + 1) * 1_000_003 + self.step_index)
+        prompts, groups = self._group(self.task.sample_prompts(c.prompts_per_step, g))
+        traj = self._sample(prompts, g)
+        adv = group_advantages(self.task.reward(traj.latents[-1], prompts), groups)
+        mb = _Minibatch(traj, adv, None)
+        kw = {"step": self.step_index, "generator": g, "on_policy": True}
+        ref, _, _ = _minibatch_loss(self, mb, mode="exact", **kw)
+        g_ref = torch.autograd.grad(ref, self.params, allow_unused=True)
+        mb.steps = self._train_steps(traj.batch_size, g)
+        est, _, cost = _minibatch_loss(self, mb, mode=c.mode, **kw)
+        g_est = torch.autograd.grad(est, self.params, allow_unused=True)
+        cos, rel, _, _ = compare_grads(g_ref, g_est, self.params)
+        self.policy.forward_samples, self.policy.grad_samples = counts
+        return {
+            "probe_cosine": cos,
+            "probe_rel_error": rel,
+            "probe_routed_frac": cost["routed_frac"],
+            "probe_seconds": time.perf_counter() - t0,
+        }
+
+    def _train_steps(
+        self, batch: int, generator: torch.Generator
+    ) -> tuple[int, int] | torch.Tensor | None:
+        """The trained steps of a minibatch (None: all T; subsample/MixGRPO choose their own)."""
+        c = self.config
+        if c.mode in ("subsample", "mixgrpo") or c.num_train_steps == c.num_steps:
+            return None
+        return select_steps(
+            c.num_steps, batch, c.num_train_steps, c.timestep_selection, generator=generator
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> dict[str, Any]:
+        """One GRPO step: probe if due, rollout, optimizer step(s), evaluation if due."""
+        c = self.config
+        probe = self.probe() if c.probe_every and self.step_index % c.probe_every == 0 else {}
+        row = _grpo_step(self)
+        row["step"] = self.step_index
+        row.update(probe)
+        self.step_index += 1
+        self.rollout_seconds += row["rollout_seconds"]
+        self.train_seconds += row["train_seconds"]
+        self.log["steps"].append(row)
+        if (
+            c.eval_per_digit
+            and c.eval_every
+            and self.step_index % c.eval_every == 0
+            and self.step_index < c.steps
+        ):
+            self._record_eval()
+        self._totals()
+        self._write()
+        return row
+
+    def _totals(self) -> None:
+        self.log["rollout_seconds"] = self.rollout_seconds
+        self.log["train_seconds"] = self.train_seconds
+        self.log["total_seconds"] = time.perf_counter() - self._t_start
+
+    def finish(self) -> dict[str, Any]:
+        """Final evaluation, totals and summary; writes ``log.json`` / ``reward.png``."""
+        log = self.log
+        if self.config.eval_per_digit:
+            self._record_eval()
+            log["eval"] = {"initial": log["evals"][0], "final": log["evals"][-1]}
+        self._totals()
+        log["status"] = "finished"
+        log["summary"] = summarize(log)
+        self._write()
+        if self.out is not None:
+            _plot(self.out / "reward.png", log)
+        return log
+
+    def abort(self, exc: BaseException) -> dict[str, Any]:
+        """Close the log of a run stopped by ``exc`` (Ctrl-C or an error); keep every step.
+
+        Status "interrupted" (KeyboardInterrupt) or "failed" with the error's text; the
+        summary says how many steps finished; the log and, if a step finished, the plot
+        are written.  Returns the log.
+        """
+        log = self.log
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        log["status"] = "interrupted" if interrupted else "failed"
+        if not interrupted:
+            log["error"] = f"{type(exc).__name__}: {exc}"
+        if log["evals"]:
+            log["eval"] = {"initial": log["evals"][0]}
+        self._totals()
+        log["summary"] = summarize(log)
+        self._write()
+        if self.out is not None and log["steps"]:
+            _plot(self.out / "reward.png", log)
+        return log
+
+
+def train(
+    config: GRPOConfig | None = None,
+    *,
+    task: GRPOTask | str | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run online GRPO on a task (default: digits); return the log (also written to ``out``).
+
+    Log keys: ``run_id``, ``started_at``, ``status``, ``task``, ``config`` (the resolved
+    config), ``steps`` (one dict per GRPO step: ``reward_mean``, ``reward_std``, ``loss``,
+    ``clipfrac``, ``approx_kl``, ``ratio_min``/``ratio_max``, ``grad_norm``,
+    ``routed_frac`` (fraction of (window, sample) pairs given the exact gradient),
+    ``anchor_frac`` (trained (step, sample) pairs run with grad), ``forward_samples``
+    (model samples of the training phase), ``grad_samples`` (with grad),
+    ``grad_forward_calls`` (= ``backward_calls``, the with-grad model calls),
+    ``backward_passes`` (``loss.backward()`` calls), ``optimizer_steps``, ``paths`` (per
+    minibatch: "values+deferred", "deferred", "eager" or "exact"), ``rollout_seconds``,
+    ``train_seconds`` and its phases ``reference_seconds``, ``forward_seconds``,
+    ``backward_seconds``, ``optimizer_seconds``; on probe steps ``probe_cosine`` /
+    ``probe_rel_error``), ``evals`` (the held-out evaluations, the first before training
+    and the last after: ``step``, ``mean_reward``, the task's breakdown (digits:
+    ``per_digit``), ``wall_seconds`` = rollout + training time so far), ``eval`` (the first
+    and last as ``initial`` / ``final``), ``total_seconds``, ``rollout_seconds``,
+    ``train_seconds``, ``summary``, ``out``.
+
+    Raises:
+        ValueError: bad config (see :meth:`GRPOConfig.validate`), an unwritable ``out``,
+            or non-finite rewards / log-probs (from :func:`group_advantages` /
+            :func:`grpo_loss`).
+        TrainingDivergedError: a non-finite loss or gradient norm (the step is named).
+        KeyboardInterrupt: re-raised after the partial log is written.
+    """
+    trainer = GRPOTrainer(config, task=task)
+    bar = None
+    if trainer.config.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=trainer.config.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+    try:
+        for _ in range(trainer.config.steps):
+            row = trainer.step()
+            if on_step is not None:
+                on_step(row)
+            if bar is not None:
+                bar.set_postfix(
+                    reward=f"{row['reward_mean']:.3f}",
+                    clipfrac=f"{row['clipfrac']:.2f}",
+                    routed=f"{row['routed_frac']:.2f}",
+                    s_per_step=f"{row['rollout_seconds'] + row['train_seconds']:.2f}",
+                )
+                bar.update(1)
+    except BaseException as exc:
+        trainer.abort(exc)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return trainer.finish()
+
+
+def _check_finite(value: torch.Tensor, what: str, step: int, where: str) -> None:
+    if not bool(torch.isfinite(value)):
+        raise TrainingDivergedError(
+            f"GRPO step {step}: the {what} is {float(value)} ({where}); stopped before the "
+            "optimizer step. Lower lr, clip_range or adv_clip_max, or set max_grad_norm; the "
+            "log keeps every finished step"
+        )
+
+
+def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
+    """One rollout + the inner epochs of minibatch optimizer steps; returns the log row."""
+    c = tr.config
+    gen = tr.generator
+    mb_size = tr._mb
+    t0 = time.perf_counter()
+    prompts = tr.task.sample_prompts(c.prompts_per_step, gen)
+    rep, groups = tr._group(prompts)
+    sde_steps = None
+    if c.mode == "mixgrpo":
+        lo = mix_window_start(c, tr.step_index)
+        sde_steps = range(lo, lo + c.window)
+    # Sample in the minibatches that will be trained, so that each minibatch's
+    # recomputation sees exactly the batch of its rollout (the condition for a
+    # bit-identical ratio, and for values= to be the current parameters' velocities).
+    trajs = [tr._sample(rep[i : i + mb_size], gen, sde_steps=sde_steps)
+             for i in range(0, len(rep), mb_size)]  # fmt: skip
+    rewards = torch.cat(
+        [
+            tr.task.reward(t.latents[-1], rep[i * mb_size : (i + 1) * mb_size])
+            for i, t in enumerate(trajs)
+        ]
+    ).float()
+    adv = group_advantages(rewards, groups)  # raises ValueError on NaN rewards
+    t1 = time.perf_counter()
+
+    mbs = [
+        _Minibatch(t, adv[i * mb_size : (i + 1) * mb_size].to(t.latents.device),
+                   tr._train_steps(t.batch_size, gen))
+        for i, t in enumerate(trajs)
+    ]  # fmt: skip
+    if tr.reference is not None:
+        for mb in mbs:  # once per rollout, reused by every inner epoch
+            mb.ref_means = reference_means(
+                tr.reference, mb.traj, steps=mb.steps, noise_level=c.noise_level
+            )
+    t_ref = time.perf_counter()
+    f0 = tr.policy.forward_samples
+
+    keys = ("loss", "clipfrac", "approx_kl", "ratio_min", "ratio_max", "grad_norm", "kl")
+    acc: dict[str, list[float]] = {k: [] for k in keys}
+    routed, paths, grad_calls, grad_samples, pairs = [], [], 0, 0, 0
+    phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    opt_steps = 0
+    GA = c.gradient_accumulation_steps
+    tr.optimizer.zero_grad(set_to_none=True)
+    for epoch in range(c.num_inner_epochs):
+        for i, mb in enumerate(mbs):
+            where = f"epoch {epoch}, minibatch {i}"
+            ta = time.perf_counter()
+            loss, infos, cost = _minibatch_loss(
+                tr, mb, mode=c.mode, step=tr.step_index, generator=gen, on_policy=opt_steps == 0
+            )
+            _check_finite(loss.detach(), "loss", tr.step_index, where)
+            tb = time.perf_counter()
+            (loss / GA).backward()
+            tc = time.perf_counter()
+            gs, calls = _stats_cost(cost)
+            grad_samples += gs
+            grad_calls += calls
+            pairs += cost["pairs"]
+            routed.append(cost["routed_frac"])
+            paths.append(cost["path"])
+            acc["loss"].append(float(loss.detach()))
+            for k in ("clipfrac", "approx_kl"):
+                acc[k].append(float(torch.stack([f[k] for f in infos]).mean()))
+            acc["ratio_min"].append(float(torch.stack([f["ratio_min"] for f in infos]).min()))
+            acc["ratio_max"].append(float(torch.stack([f["ratio_max"] for f in infos]).max()))
+            if "kl" in infos[0]:
+                acc["kl"].append(float(torch.stack([f["kl"] for f in infos]).mean()))
+            if (i + 1) % GA == 0:
+                params = tr.params
+                if c.max_grad_norm is not None:
+                    gn = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+                else:
+                    gn = torch.sqrt(
+                        sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None)
+                    )
+                _check_finite(gn.detach(), "gradient norm", tr.step_index, where)
+                tr.optimizer.step()
+                tr.optimizer.zero_grad(set_to_none=True)
+                opt_steps += 1
+                acc["grad_norm"].append(float(gn))
+            phase["forward"] += tb - ta
+            phase["backward"] += tc - tb
+            phase["optimizer"] += time.perf_counter() - tc
+    t2 = time.perf_counter()
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    row = {
+        "prompts": list(prompts),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "loss": mean(acc["loss"]),
+        "clipfrac": mean(acc["clipfrac"]),
+        "approx_kl": mean(acc["approx_kl"]),
+        "ratio_min": min(acc["ratio_min"]),
+        "ratio_max": max(acc["ratio_max"]),
+        "grad_norm": mean(acc["grad_norm"]),
+        "routed_frac": mean(routed),
+        "anchor_frac": grad_samples / pairs,
+        "forward_samples": tr.policy.forward_samples - f0,
+        "grad_samples": grad_samples,
+        "grad_forward_calls": grad_calls,
+        "backward_calls": grad_calls,
+        "backward_passes": len(paths),
+        "optimizer_steps": opt_steps,
+        "paths": paths,
+        "rollout_seconds": t1 - t0,
+        "train_seconds": t2 - t1,
+        "reference_seconds": t_ref - t1,
+        **{f"{k}_seconds": v for k, v in phase.items()},
+    }
+    if acc["kl"]:
+        row["kl"] = mean(acc["kl"])
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# plot and summary
+# --------------------------------------------------------------------------------------------
 
 
 def _plot(path: Path, log: dict[str, Any]) -> None:
@@ -543,13 +1446,14 @@ def _plot(path: Path, log: dict[str, Any]) -> None:
             [ev["initial"]["mean_reward"], ev["final"]["mean_reward"]],
             color="black",
             zorder=3,
-            label="fixed-noise eval (all digits)",
+            label="held-out eval",
         )
     cfg = log["config"]
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward = p(prompted digit)")
+    ax.set_ylabel("reward")
     ax.set_ylim(0.0, 1.0)
-    ax.set_title(f"GRPO on the digits DiT: mode={cfg['mode']}, W={cfg['window']}")
+    status = "" if log.get("status") in (None, "finished") else f" [{log['status']}]"
+    ax.set_title(f"GRPO on {cfg.get('task', 'digits')}: {_method(cfg)}{status}", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -557,395 +1461,101 @@ def _plot(path: Path, log: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def _method(cfg: dict[str, Any]) -> str:
+    """The gradient settings that apply to the run's mode, in words."""
+    mode = cfg["mode"]
+    if mode == "exact":
+        txt = "exact"
+    elif mode == "subsample":
+        txt = f"subsample ({cfg.get('num_train_steps')} random steps per sample)"
+    elif mode == "mixgrpo":
+        txt = f"mixgrpo (sliding SDE window of {cfg['window']} steps)"
+    else:
+        anchors = "shared" if cfg["shared_anchors"] else "disjoint"
+        txt = f"{mode}, window {cfg['window']}, {anchors} anchors"
+        if mode == "router":
+            txt += f", router threshold {cfg['threshold']:g}"
+            if cfg.get("jagg_frac") is not None:
+                txt += f" jagg_frac {cfg['jagg_frac']:g}"
+        extras = []
+        if cfg.get("reuse_values"):
+            extras.append("on-policy values")
+        if cfg.get("deferred"):
+            extras.append("deferred backward")
+        if cfg.get("placement", "uniform") != "uniform":
+            budget = cfg.get("budget")
+            extras.append(
+                f"{cfg['placement']} placement" + (f" budget {budget:g}" if budget else "")
+            )
+        if extras:
+            txt += ", " + ", ".join(extras)
+    if mode in ("exact", "jagg", "router") and cfg.get("timestep_fraction", 1.0) < 1.0:
+        txt += f", {cfg.get('num_train_steps')} {cfg['timestep_selection']} steps trained"
+    return txt
+
+
 def summarize(log: dict[str, Any]) -> str:
-    """The one-paragraph summary the demo prints."""
+    """The one-paragraph summary the demo prints (only the settings that apply to the mode)."""
     cfg = log["config"]
     rows = log["steps"]
     n = len(rows)
-    k = max(1, min(5, n // 4))
-    first = sum(r["reward_mean"] for r in rows[:k]) / k
-    last = sum(r["reward_mean"] for r in rows[-k:]) / k
-    txt = (
-        f"GRPO ({cfg['mode']}, window {cfg['window']}, "
-        f"{'shared' if cfg['shared_anchors'] else 'disjoint'} anchors, {cfg['batching']} "
-        f"batching, {cfg['tuning']} fine-tuning, lr {cfg['lr']:g}) ran {n} steps of "
-        f"{cfg['prompts_per_step']}x{cfg['group_size']} trajectories of {cfg['num_steps']} SDE "
-        f"steps in {log['total_seconds']:.1f} s "
-        f"(rollout {log['rollout_seconds']:.1f} s, training {log['train_seconds']:.1f} s). "
-        f"Rollout reward: {first:.3f} (mean of the first {k} steps) -> {last:.3f} "
-        f"(last {k}), change {last - first:+.3f}."
+    status = log.get("status", "finished")
+    opt = f"{cfg['tuning']} fine-tuning" + (
+        f" (rank {cfg['lora_rank']})" if cfg["tuning"] == "lora" else ""
     )
+    extra = []
+    if cfg.get("beta", 0.0) > 0:
+        extra.append(f"KL beta {cfg['beta']:g}")
+    if cfg.get("optimizer_steps_per_rollout", 1) > 1:
+        extra.append(f"{cfg['optimizer_steps_per_rollout']} optimizer steps per rollout")
+    if cfg.get("gradient_accumulation_steps", 1) > 1:
+        extra.append(f"accumulation {cfg['gradient_accumulation_steps']}")
+    if cfg.get("num_inner_epochs", 1) > 1:
+        extra.append(f"{cfg['num_inner_epochs']} inner epochs")
+    if cfg.get("precision", "fp32") != "fp32" or cfg.get("device", "cpu") != "cpu":
+        extra.append(f"{cfg.get('precision')} on {cfg.get('device')}")
+    head = (
+        f"GRPO on {cfg.get('task', 'digits')} ({_method(cfg)}, {cfg['batching']} batching, "
+        f"{opt}, lr {cfg['lr']:g}{''.join(', ' + e for e in extra)})"
+    )
+    sde = "ODE/SDE" if cfg["mode"] == "mixgrpo" else "SDE"
+    if n == 0:
+        txt = f"{head}: {status} before the first step finished."
+    else:
+        k = max(1, min(5, n // 4))
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        done = "ran" if status == "finished" else f"{status} after"
+        txt = (
+            f"{head} {done} {n} steps of {cfg['prompts_per_step']}x{cfg['group_size']} "
+            f"trajectories of {cfg['num_steps']} {sde} steps in {log['total_seconds']:.1f} s "
+            f"(rollout {log['rollout_seconds']:.1f} s, training {log['train_seconds']:.1f} s). "
+            f"Rollout reward: {first:.3f} (mean of the first {k} steps) -> {last:.3f} "
+            f"(last {k}), change {last - first:+.3f}."
+        )
     ev = log.get("eval") or {}
     if "initial" in ev and "final" in ev:
         a, b = ev["initial"]["mean_reward"], ev["final"]["mean_reward"]
         txt += (
-            f" Fixed-noise evaluation on all 10 digits ({ev['initial']['samples']} samples): "
+            f" Held-out evaluation ({ev['initial']['samples']} samples, fixed noise): "
             f"{a:.3f} -> {b:.3f} ({b - a:+.3f})."
         )
-    routed = sum(r["routed_frac"] for r in rows) / n
-    txt += (
-        f" Mean exact-routed window fraction {routed:.2f}, mean model samples with grad per "
-        f"step {sum(r['grad_samples'] for r in rows) / n:.0f}."
-    )
+    if n:
+        if cfg["mode"] == "router":
+            routed = sum(r["routed_frac"] for r in rows) / n
+            txt += f" Mean exact-routed window fraction {routed:.2f}."
+        txt += (
+            f" Mean model samples with grad per step "
+            f"{sum(r['grad_samples'] for r in rows) / n:.0f}."
+        )
     probes = [r["probe_cosine"] for r in rows if "probe_cosine" in r]
     if probes:
         txt += (
             f" Gradient cosine to exact over {len(probes)} probes: mean "
             f"{sum(probes) / len(probes):.3f}, min {min(probes):.3f}."
         )
+    if log.get("error"):
+        txt += f" Stopped by {log['error']}"
     if log.get("out"):
-        txt += f" Log and plot in {log['out']}."
+        txt += f" Log{' and plot' if n else ''} in {log['out']}."
     return txt
-
-
-def _grpo_loss_mean(
-    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, config: GRPOConfig
-) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Mean over the trained slots of the clipped GRPO loss; ``lp``, ``old``: (n, B)."""
-    losses, infos = [], []
-    for j in range(lp.shape[0]):
-        loss_j, info_j = grpo_loss(
-            lp[j], old[j], adv, clip_range=config.clip_range, adv_clip_max=config.adv_clip_max
-        )
-        losses.append(loss_j)
-        infos.append(info_j)
-    # Mean over the sampler steps: Flow-GRPO accumulates every step's loss into one
-    # optimizer step, scaled so that the step count does not change the learning rate;
-    # over a random subset this mean is an unbiased estimate of the full one.
-    return torch.stack(losses).mean(), infos
-
-
-def _estimator_loss(
-    model: nn.Module,
-    ro: Rollout,
-    adv: torch.Tensor,
-    sigmas: torch.Tensor,
-    config: GRPOConfig,
-    router: CosineRouter | None,
-    *,
-    step: int,
-    generator: torch.Generator,
-    mode: str | None = None,
-) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, float]]:
-    """The loss whose gradient is this run's estimator (``mode`` overrides the config's)."""
-    mode = config.mode if mode is None else mode
-    B = ro.labels.numel()
-    if mode == "subsample":
-        num = config.subsample_steps or expected_anchor_count(
-            config.num_steps, config.window, config.shared_anchors
-        )
-        lp, old, _ = subsample_log_probs(
-            model,
-            ro,
-            sigmas,
-            noise_level=config.noise_level,
-            num=num,
-            generator=generator,
-            batching=config.batching,
-        )
-        calls = 1 if config.batching == "stacked" else num
-        cost = {"routed_frac": 0.0, "backward_calls": calls, "grad_samples": num * B}
-    else:
-        steps = None
-        if mode == "mixgrpo":
-            lo = mix_window_start(config, step)
-            steps = (lo, lo + config.window)
-        lp, stats = trajectory_log_probs(
-            model,
-            ro,
-            sigmas,
-            noise_level=config.noise_level,
-            mode="exact" if mode == "mixgrpo" else mode,
-            window=config.window,
-            shared_anchors=config.shared_anchors,
-            router=router,
-            batching=config.batching,
-            steps=steps,
-        )
-        old = ro.log_probs if steps is None else ro.log_probs[steps[0] : steps[1]]
-        cost = {
-            "routed_frac": float(stats.exact.float().mean()) if mode != "mixgrpo" else 0.0,
-            "backward_calls": int(stats.backward_calls),
-            "grad_samples": int(stats.grad_samples),
-        }
-    loss, infos = _grpo_loss_mean(lp, old, adv, config)
-    return loss, infos, cost
-
-
-class GRPOTrainer:
-    """Online GRPO on the digits DiT, one :meth:`step` at a time.
-
-    ``GRPOTrainer(config)`` loads the models and, if ``eval_per_digit > 0``, runs the
-    initial evaluation; :meth:`step` runs one GRPO step (plus the probe / evaluation due
-    at it) and returns its log row; :meth:`finish` runs the final evaluation and returns
-    (and writes) the log of :func:`train`.  Each trainer owns its noise generators, so
-    several trainers stepped in turn give the runs each would give alone.
-    """
-
-    def __init__(self, config: GRPOConfig | None = None) -> None:
-        config = GRPOConfig() if config is None else config
-        if not isinstance(config, GRPOConfig):
-            raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
-        config.validate()
-        self.config = config
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        self.out = Path(config.out) if config.out is not None else None
-        if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-        self._t_start = time.perf_counter()
-        torch.manual_seed(config.seed)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.model = load_digits_dit()
-        self.classifier = load_digits_classifier()
-        self.params = _trainable(self.model, config)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, weight_decay=config.weight_decay
-        )
-        self.router = (
-            CosineRouter(config.threshold, config.jagg_frac) if config.mode == "router" else None
-        )
-        self.sigmas = sigma_schedule(config)
-        # Disjoint from the training noise stream.
-        self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
-        self.step_index = 0
-        self.rollout_seconds = 0.0
-        self.train_seconds = 0.0
-        self._mb = config.prompts_per_step * config.group_size // config.minibatches
-        self.log: dict[str, Any] = {
-            "config": config.to_dict(),
-            "sigmas": [round(x, 6) for x in self.sigmas.tolist()],
-            "num_trainable_parameters": sum(p.numel() for p in self.params),
-            "steps": [],
-            "evals": [],
-            "eval": {},
-            "out": str(self.out) if self.out is not None else None,
-        }
-        if config.eval_per_digit:
-            self._record_eval()
-
-    # ------------------------------------------------------------------ measurements
-
-    def evaluate(self) -> dict[str, Any]:
-        """Held-out reward of the current policy on the fixed evaluation noise."""
-        c = self.config
-        return evaluate(
-            self.model,
-            self.classifier,
-            self.sigmas,
-            per_digit=c.eval_per_digit,
-            noise_level=c.noise_level,
-            seed=self.eval_seed,
-            sampler=c.eval_sampler,
-        )
-
-    def _record_eval(self) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        ev = self.evaluate()
-        ev.update(
-            step=self.step_index,
-            wall_seconds=self.rollout_seconds + self.train_seconds,
-            train_seconds=self.train_seconds,
-            sampler=self.config.eval_sampler,
-            eval_seconds=time.perf_counter() - t0,
-        )
-        self.log["evals"].append(ev)
-        return ev
-
-    def probe(self) -> dict[str, float]:
-        """Cosine / relative error of this run's gradient to the exact one, now.
-
-        On a fresh full-SDE batch of the current policy (same prompts and noise for every
-        run with this ``eval_seed`` at this step): the exact gradient of the mean GRPO loss
-        over all T steps against this run's estimator of it on the same batch (the
-        routed/JAGG gradient, the subsampled one, or MixGRPO's window of this step).
-        Nothing is accumulated into ``.grad``.
-        """
-        c = self.config
-        t0 = time.perf_counter()
-        g = torch.Generator().manual_seed((self.eval_seed + 1) * 1_000_003 + self.step_index)
-        digits = torch.randperm(NUM_CLASSES, generator=g)[: c.prompts_per_step]
-        labels = digits.repeat_interleave(c.group_size)
-        ro = rollout(self.model, labels, self.sigmas, noise_level=c.noise_level, generator=g)
-        adv = group_advantages(
-            digit_reward(ro.latents[-1], labels, classifier=self.classifier), labels
-        )
-        kw = {"step": self.step_index, "generator": g}
-        ref, _, _ = _estimator_loss(self.model, ro, adv, self.sigmas, c, None, mode="exact", **kw)
-        g_ref = torch.autograd.grad(ref, self.params, allow_unused=True)
-        est, _, cost = _estimator_loss(self.model, ro, adv, self.sigmas, c, self.router, **kw)
-        g_est = torch.autograd.grad(est, self.params, allow_unused=True)
-        cos, rel, _, _ = compare_grads(g_ref, g_est, self.params)
-        return {
-            "probe_cosine": cos,
-            "probe_rel_error": rel,
-            "probe_routed_frac": cost["routed_frac"],
-            "probe_seconds": time.perf_counter() - t0,
-        }
-
-    # ------------------------------------------------------------------ the loop
-
-    def step(self) -> dict[str, Any]:
-        """One GRPO step: probe if due, rollout, optimizer step(s), evaluation if due."""
-        c = self.config
-        probe = self.probe() if c.probe_every and self.step_index % c.probe_every == 0 else {}
-        row = _grpo_step(self)
-        row["step"] = self.step_index
-        row.update(probe)
-        self.step_index += 1
-        self.rollout_seconds += row["rollout_seconds"]
-        self.train_seconds += row["train_seconds"]
-        self.log["steps"].append(row)
-        if (
-            c.eval_per_digit
-            and c.eval_every
-            and self.step_index % c.eval_every == 0
-            and self.step_index < c.steps
-        ):
-            self._record_eval()
-        return row
-
-    def finish(self) -> dict[str, Any]:
-        """Final evaluation, totals and summary; writes ``log.json`` / ``reward.png``."""
-        log = self.log
-        if self.config.eval_per_digit:
-            self._record_eval()
-            log["eval"] = {"initial": log["evals"][0], "final": log["evals"][-1]}
-        log["rollout_seconds"] = self.rollout_seconds
-        log["train_seconds"] = self.train_seconds
-        log["total_seconds"] = time.perf_counter() - self._t_start
-        log["summary"] = summarize(log)
-        if self.out is not None:
-            with open(self.out / "log.json", "w", encoding="utf-8") as fh:
-                json.dump(log, fh, indent=1)
-            _plot(self.out / "reward.png", log)
-        return log
-
-
-def train(
-    config: GRPOConfig | None = None,
-    *,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Run online GRPO on the digits DiT; return the log (also written to ``config.out``).
-
-    Log keys: ``config``, ``steps`` (one dict per GRPO step: ``reward_mean``,
-    ``reward_std``, ``loss``, ``clipfrac``, ``approx_kl``, ``ratio_min``/``ratio_max``,
-    ``routed_frac`` (fraction of (window, sample) pairs given the exact gradient),
-    ``backward_calls``, ``grad_samples``, ``rollout_seconds``, ``train_seconds``, and on
-    probe steps ``probe_cosine`` / ``probe_rel_error``), ``evals`` (every evaluation:
-    ``step``, ``mean_reward``, ``per_digit``, ``wall_seconds`` = rollout + training time
-    so far), ``eval`` (the first and last of them as ``initial`` / ``final``),
-    ``total_seconds``, ``rollout_seconds``, ``train_seconds``, ``summary``, ``out``.
-
-    Raises:
-        ValueError: bad config (see :meth:`GRPOConfig.validate`), or non-finite rewards /
-            log-probs (from :func:`group_advantages` / :func:`grpo_loss`).
-    """
-    trainer = GRPOTrainer(config)
-    bar = None
-    if trainer.config.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=trainer.config.steps, desc="GRPO", unit="step", dynamic_ncols=True)
-    try:
-        for _ in range(trainer.config.steps):
-            row = trainer.step()
-            if on_step is not None:
-                on_step(row)
-            if bar is not None:
-                bar.set_postfix(
-                    reward=f"{row['reward_mean']:.3f}",
-                    clipfrac=f"{row['clipfrac']:.2f}",
-                    routed=f"{row['routed_frac']:.2f}",
-                    s_per_step=f"{row['rollout_seconds'] + row['train_seconds']:.2f}",
-                )
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    return trainer.finish()
-
-
-def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
-    """One rollout + ``config.minibatches`` optimizer steps; returns the step's log row."""
-    config = tr.config
-    gen = tr.generator
-    mb = tr._mb
-    t0 = time.perf_counter()
-    digits = torch.randperm(NUM_CLASSES, generator=gen)[: config.prompts_per_step]
-    labels = digits.repeat_interleave(config.group_size)
-    sde_steps = None
-    if config.mode == "mixgrpo":
-        lo = mix_window_start(config, tr.step_index)
-        sde_steps = range(lo, lo + config.window)
-    # Sample in the chunks that will be trained, so that each chunk's recomputation sees
-    # exactly the batch of its rollout (the condition for a bit-identical ratio).
-    chunks = [
-        rollout(
-            tr.model,
-            labels[i : i + mb],
-            tr.sigmas,
-            noise_level=config.noise_level,
-            generator=gen,
-            sde_steps=sde_steps,
-        )
-        for i in range(0, labels.numel(), mb)
-    ]
-    rewards = torch.cat(
-        [digit_reward(c.latents[-1], c.labels, classifier=tr.classifier) for c in chunks]
-    )
-    adv = group_advantages(rewards, labels)  # raises ValueError on NaN rewards
-    t1 = time.perf_counter()
-
-    acc: dict[str, list[float]] = {
-        k: [] for k in ("loss", "clipfrac", "approx_kl", "ratio_min", "ratio_max", "grad_norm")
-    }
-    routed, backward_calls, grad_samples = [], 0, 0
-    for i, ro in enumerate(chunks):
-        loss, infos, cost = _estimator_loss(
-            tr.model,
-            ro,
-            adv[i * mb : (i + 1) * mb],
-            tr.sigmas,
-            config,
-            tr.router,
-            step=tr.step_index,
-            generator=gen,
-        )
-        tr.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        params = tr.params
-        if config.max_grad_norm is not None:
-            gn = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        else:
-            gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
-        tr.optimizer.step()
-        acc["loss"].append(float(loss.detach()))
-        acc["clipfrac"].append(float(torch.stack([f["clipfrac"] for f in infos]).mean()))
-        acc["approx_kl"].append(float(torch.stack([f["approx_kl"] for f in infos]).mean()))
-        acc["ratio_min"].append(float(torch.stack([f["ratio_min"] for f in infos]).min()))
-        acc["ratio_max"].append(float(torch.stack([f["ratio_max"] for f in infos]).max()))
-        acc["grad_norm"].append(float(gn))
-        routed.append(cost["routed_frac"])
-        backward_calls += int(cost["backward_calls"])
-        grad_samples += int(cost["grad_samples"])
-    t2 = time.perf_counter()
-
-    return {
-        "prompts": digits.tolist(),
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std(unbiased=False)),
-        "loss": sum(acc["loss"]) / len(acc["loss"]),
-        "clipfrac": sum(acc["clipfrac"]) / len(acc["clipfrac"]),
-        "approx_kl": sum(acc["approx_kl"]) / len(acc["approx_kl"]),
-        "ratio_min": min(acc["ratio_min"]),
-        "ratio_max": max(acc["ratio_max"]),
-        "grad_norm": sum(acc["grad_norm"]) / len(acc["grad_norm"]),
-        "routed_frac": sum(routed) / len(routed),
-        "backward_calls": backward_calls,
-        "backward_passes": len(chunks),
-        "grad_samples": grad_samples,
-        "rollout_seconds": t1 - t0,
-        "train_seconds": t2 - t1,
-    }
