@@ -371,7 +371,9 @@ def _single_step(
     tt = tt.expand(B) if tt.dim() == 0 else tt
     v = model(z[0], tt, **cond).unsqueeze(0)
     ones = torch.ones((1, B), dtype=torch.bool, device=z.device)
-    return v, JaggStats(torch.ones((1, B), device=z.device), ones, B, 1, [(0, 0)], [0])
+    grad = int(torch.is_grad_enabled())
+    stats = JaggStats(torch.ones((1, B), device=z.device), ones, grad * B, grad, [(0, 0)], [0])
+    return v, stats
 
 
 @torch.no_grad()

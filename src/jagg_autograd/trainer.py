@@ -861,7 +861,7 @@ def _stats_cost(cost: dict[str, Any]) -> tuple[int, int]:
     st = cost["stats"]
     if st is None:
         return int(cost["grad_samples"]), int(cost["grad_forward_calls"])
-    calls = getattr(st, "grad_forward_calls", st.backward_calls)
+    calls = st.grad_forward_calls if hasattr(st, "grad_forward_calls") else st.backward_calls
     return int(st.grad_samples), int(calls)
 
 

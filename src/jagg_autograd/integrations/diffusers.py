@@ -198,6 +198,8 @@ def _cfg_combine(v_u: torch.Tensor, v_c: torch.Tensor, w: float) -> torch.Tensor
 class _VelocityBase(nn.Module):
     """Shared plumbing: CFG switch, autocast, dtype policy."""
 
+    _DEFAULT_TIMESTEP_SCALE = 1.0
+
     def __init__(
         self,
         transformer: nn.Module,
@@ -213,10 +215,33 @@ class _VelocityBase(nn.Module):
         if ts is None or ts <= 0:
             raise ValueError(f"timestep_scale must be > 0, got {timestep_scale}")
         self.timestep_scale = ts
+        # With the default scale t must be sigma in [0, 1]; a custom scale means the caller
+        # chose the convention, so nothing is checked.
+        self.check_sigma_range = ts == self._DEFAULT_TIMESTEP_SCALE
         _check_dtype(autocast_dtype, "autocast_dtype", (torch.bfloat16, torch.float16))
         _check_dtype(output_dtype, "output_dtype")
         self.autocast_dtype = autocast_dtype
         self.output_dtype = output_dtype
+
+    def _sigmas(self, t: object, n: int) -> torch.Tensor:
+        """``t`` as ``(n,)`` sigmas, unchanged; refused outside [0, 1] with the default scale.
+
+        Flow-GRPO's loops pass ``scheduler.timesteps`` (``1000 * sigma``) to the transformer;
+        fed to an adapter that multiplies by ``timestep_scale`` again they would run
+        silently 1000x off.  The check reads ``t`` (one host sync) and never modifies it.
+        """
+        t = _timesteps(t, n)
+        if self.check_sigma_range and t.numel():
+            lo, hi = (float(x) for x in torch.aminmax(t.detach().float()))
+            if not (lo >= 0.0 and hi <= 1.0):
+                raise ValueError(
+                    f"t must be the noise level sigma in [0, 1], got values in [{lo:g}, {hi:g}]: "
+                    f"{type(self).__name__} multiplies t by timestep_scale="
+                    f"{self.timestep_scale:g} itself. Pass sigmas (scheduler.sigmas, or "
+                    "scheduler.timesteps / 1000), or set timestep_scale=1 if t is already the "
+                    "transformer's timestep"
+                )
+        return t
 
     @property
     def uses_cfg(self) -> bool:
@@ -366,6 +391,8 @@ class SD3Velocity(_VelocityBase):
         output_dtype: dtype of the returned velocity (default: ``z``'s dtype).
     """
 
+    _DEFAULT_TIMESTEP_SCALE = 1000.0
+
     def __init__(
         self,
         transformer: nn.Module,
@@ -415,7 +442,7 @@ class SD3Velocity(_VelocityBase):
                 f"{self.patch_size}"
             )
         n = z.shape[0]
-        t = _timesteps(t, n)
+        t = self._sigmas(t, n)
         ehs, pooled = self._prompt_pair(encoder_hidden_states, pooled_projections, n)
         return self._velocity(
             z,
@@ -585,7 +612,7 @@ class FluxVelocity(_VelocityBase):
                 f"{tuple(z.shape)}"
             )
         n = z.shape[0]
-        t = _timesteps(t, n)
+        t = self._sigmas(t, n)
         ehs, pooled = self._prompt_pair(encoder_hidden_states, pooled_projections, n)
         if ehs.ndim != 3:
             raise ValueError(f"encoder_hidden_states must be (N, T, D), got {tuple(ehs.shape)}")
