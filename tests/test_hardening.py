@@ -7,6 +7,7 @@ single-process check of ``accumulate_windows``' bookkeeping here.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -22,6 +23,7 @@ from jagg_autograd import (
     jagg_window,
     trajectory_layout,
 )
+from jagg_autograd.distributed import accumulate_windows
 from jagg_autograd.grpo import group_advantages, shifted_sigma_schedule
 from jagg_autograd.mix import jagg_mix
 
@@ -340,3 +342,107 @@ def test_group_advantages_scaling_is_bit_exact():
     c = r - means[ids]
     std = np.sqrt(np.bincount(ids, weights=c**2) / counts)[ids]
     assert torch.equal(got, torch.tensor(c / (std + 1e-4)))
+
+
+# ------------------------------------- 2: accumulate_windows left with break (single process)
+
+
+class FakeDDP(nn.Module):
+    """DDP's contract without a process group: ``no_sync()`` flips the flag that the forward
+    reads; every forward records it (True = this forward's backward would all-reduce)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.require_backward_grad_sync = True
+        self.seen: list[bool] = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def forward(self, x):
+        self.seen.append(self.require_backward_grad_sync)
+        return self.lin(x)
+
+
+def _step(m: FakeDDP) -> None:
+    m(torch.ones(1, 2)).sum().backward()
+
+
+def test_accumulate_windows_syncs_only_the_last_window():
+    m = FakeDDP()
+    for _i in accumulate_windows(m, 3):
+        _step(m)  # a forward from a function called in the body counts as in the body
+        m(torch.ones(1, 2))  # and one made directly in the body
+    assert m.seen == [False, False, False, False, True, True]
+    assert m.require_backward_grad_sync
+    m.seen.clear()
+    with accumulate_windows(m, 2) as windows:
+        for _i in windows:
+            _step(m)
+    assert m.seen == [False, True] and m.require_backward_grad_sync
+
+
+@pytest.mark.parametrize("where", ["after_backward", "before_forward"])
+def test_accumulate_windows_break_with_live_iterator_then_normal_step_syncs(where):
+    m = FakeDDP()
+    it = accumulate_windows(m, 3)  # still referenced after the break: no GC rescue
+    for i in it:
+        if where == "before_forward" and i == 1:
+            break
+        _step(m)
+        if where == "after_backward":
+            break
+    m.seen.clear()
+    _step(m)  # the next, normal step
+    _step(m)
+    assert m.seen == [True, True]
+    assert m.require_backward_grad_sync
+    del it
+
+
+def test_accumulate_windows_abandoned_loop_does_not_leak_into_the_next_one():
+    m = FakeDDP()
+    kept = []
+    for _ in range(2):  # the same for statement, a new iterator each time
+        it = accumulate_windows(m, 3)
+        kept.append(it)
+        m.seen.clear()
+        for _i in it:
+            _step(m)
+        assert m.seen == [False, False, True]
+    m.seen.clear()
+    for _i in kept[0]:  # exhausted: nothing more
+        _step(m)
+    assert m.seen == []
+    old = accumulate_windows(m, 3)
+    for _i in old:
+        break
+    new = accumulate_windows(m, 2)
+    m.seen.clear()
+    for _i in new:
+        _step(m)
+    _step(m)
+    assert m.seen == [False, True, True]
+
+
+def _loop_in_a_function(m: FakeDDP) -> object:
+    it = accumulate_windows(m, 4)
+    for i in it:
+        _step(m)
+        if i == 1:
+            return it  # leaves the loop and the function; the caller keeps the iterator
+
+
+def test_accumulate_windows_return_from_the_loop_function():
+    m = FakeDDP()
+    it = _loop_in_a_function(m)
+    m.seen.clear()
+    _step(m)
+    assert m.seen == [True] and it is not None

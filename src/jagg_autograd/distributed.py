@@ -41,7 +41,12 @@ the final window's call outside it.  :func:`accumulate_windows` does exactly tha
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
+import sys
+import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +55,7 @@ from torch import nn
 
 __all__ = [
     "AllReduceCounter",
+    "WindowLoop",
     "accumulate_windows",
     "check_ddp_for_jagg",
     "gradient_sync",
@@ -122,23 +128,183 @@ def sync_last(model: Any, index: int, n_windows: int) -> contextlib.AbstractCont
     return gradient_sync(model, enabled=index == n_windows - 1)
 
 
-def accumulate_windows(model: Any, n_windows: int) -> Iterator[int]:
+def accumulate_windows(model: Any, n_windows: int) -> WindowLoop:
     """Yield ``0 .. n_windows-1``; the loop body runs with gradient sync off except the last.
 
     Put one window's forward (``jagg_window``/``jagg_trajectory`` on ``model``) AND its
     ``backward()`` in the loop body; after the loop the gradients of all windows are
     accumulated and synchronised exactly once (one DDP all-reduce per bucket, one FSDP
-    reduce-scatter per parameter group), so the optimizer step can follow.  Leaving the
-    loop early (``break``/exception) restores sync; the accumulated gradients are then
-    local to each rank and should be zeroed.
+    reduce-scatter per parameter group), so the optimizer step can follow.  Both forms work::
+
+        for i in accumulate_windows(ddp, n): ...
+        with accumulate_windows(ddp, n) as windows:   # closes the loop on exit
+            for i in windows: ...
+
+    Leaving the loop early (``break``, ``return``, an exception) is safe by construction,
+    also while the iterator is still referenced: for an ``nn.Module`` (DDP, FSDP1, FSDP2,
+    an accelerate-prepared model) sync is switched off by a forward pre-hook, only for
+    forwards made from inside the body of a non-last window of the ``for`` loop that
+    iterates it (checked on the call stack: the loop's frame must be running an
+    instruction of the loop body).  The first forward after leaving the loop switches sync
+    back on, so the next step syncs normally.  Gradients accumulated by the abandoned
+    windows are then local to each rank and should be zeroed.
+
+    Limits: iterated through a Python generator (e.g. ``tqdm(...)``), the body is not
+    recognised and every window syncs (correct, but no saving); iterated with ``next()``,
+    sync stays off for forwards of the calling function until the next ``next()`` /
+    ``close()``.  For a model that is not an ``nn.Module`` (no hook point), ``no_sync()`` is
+    entered at ``next()`` and left at the following ``next()``, at ``close()`` (the ``with``
+    form) or when the iterator is garbage-collected.
 
     Scale each window's loss by ``1 / n_windows`` (or by the step's sample count) yourself:
     this helper changes when gradients are communicated, never their values.
     """
-    _check_count(n_windows)
-    for i in range(n_windows):
-        with gradient_sync(model, enabled=i == n_windows - 1):
-            yield i
+    return WindowLoop(model, n_windows)
+
+
+# The loop currently driving each model's windows (weak both ways: neither keeps the other
+# alive).  A new loop on the same model supersedes an abandoned one.
+_ACTIVE_LOOPS: weakref.WeakKeyDictionary[Any, weakref.ref[WindowLoop]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _for_loop_body(code: types.CodeType, lasti: int) -> tuple[int, int] | None:
+    """(start, end) bytecode offsets of the ``for`` loop whose FOR_ITER is at ``lasti``.
+
+    The body's instructions lie strictly between FOR_ITER and its jump target (where the
+    loop ends); ``break``/``return`` leave to offsets outside.  None when the iterator was
+    advanced by something else (``next()``, a comprehension in another frame ...).
+    """
+    for ins in dis.get_instructions(code):
+        if ins.offset == lasti:
+            if ins.opname == "FOR_ITER" and isinstance(ins.argval, int):
+                return lasti, ins.argval
+            return None
+    return None
+
+
+class WindowLoop:
+    """The iterator of :func:`accumulate_windows` (also a context manager that closes it)."""
+
+    def __init__(self, model: Any, n_windows: int) -> None:
+        _check_count(n_windows)
+        self._model = model
+        self._n = n_windows
+        self._next = 0
+        self._index: int | None = None  # the window whose body runs
+        self._hooked = isinstance(model, nn.Module)
+        self._loop: tuple[int, types.CodeType, tuple[int, int] | None] | None = None
+        self._hook: Any = None
+        self._held: contextlib.AbstractContextManager[None] | None = None
+
+    def __iter__(self) -> WindowLoop:
+        return self
+
+    def __enter__(self) -> WindowLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __next__(self) -> int:
+        if self._next >= self._n:
+            self.close()
+            raise StopIteration
+        i = self._index = self._next
+        self._next += 1
+        last = i == self._n - 1
+        if not self._hooked:
+            self._release()
+            if not last:
+                self._hold()
+            return i
+        if last:
+            self._release()  # the last window syncs; its forwards find nothing to release
+        caller = sys._getframe(1)  # the frame iterating us (FOR_ITER runs no Python frame)
+        # Identity by id + code, not a reference: holding the frame would keep its locals
+        # (tensors) alive after it returns.
+        self._loop = (id(caller), caller.f_code, _for_loop_body(caller.f_code, caller.f_lasti))
+        del caller
+        self._activate()
+        return i
+
+    def close(self) -> None:
+        """End the loop: sync back on, hook removed.  Idempotent."""
+        self._next = self._n
+        self._deactivate()
+
+    def __del__(self) -> None:
+        try:
+            self._deactivate()
+        except Exception:  # interpreter shutdown: nothing left to restore
+            pass
+
+    # -- internals
+
+    def _activate(self) -> None:
+        prev_ref = _ACTIVE_LOOPS.get(self._model)
+        prev = prev_ref() if prev_ref is not None else None
+        if prev is not None and prev is not self:
+            prev._deactivate()
+        _ACTIVE_LOOPS[self._model] = weakref.ref(self)
+        if self._hook is None:
+            self._hook = self._model.register_forward_pre_hook(
+                functools.partial(_loop_pre_forward, weakref.ref(self))
+            )
+
+    def _deactivate(self) -> None:
+        self._release()
+        self._index = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        ref = _ACTIVE_LOOPS.get(self._model) if self._hooked else None
+        if ref is not None and ref() is self:
+            del _ACTIVE_LOOPS[self._model]
+
+    def _hold(self) -> None:
+        if self._held is None:
+            cm = gradient_sync(self._model, enabled=False)
+            cm.__enter__()
+            self._held = cm
+
+    def _release(self) -> None:
+        if self._held is not None:
+            cm, self._held = self._held, None
+            cm.__exit__(None, None, None)
+
+    def _in_body(self) -> bool:
+        """Is the current call made from inside the loop body (the loop frame on the stack,
+        at an instruction of the body)?"""
+        if self._loop is None:
+            return False
+        fid, code, body = self._loop
+        f: types.FrameType | None = sys._getframe(1)
+        while f is not None:
+            if id(f) == fid and f.f_code is code:
+                return body is None or body[0] < f.f_lasti < body[1]
+            f = f.f_back
+        return False
+
+    def _on_forward(self) -> None:
+        if self._index is None:
+            return
+        if not self._in_body():
+            # The loop was left (break/return/exception) with the iterator still alive:
+            # this forward belongs to something else and syncs normally.
+            self._deactivate()
+        elif self._index < self._n - 1:
+            self._hold()  # kept through the backward (FSDP reads the flag there)
+        else:
+            self._release()
+
+
+def _loop_pre_forward(ref: weakref.ref[WindowLoop], module: nn.Module, args: Any) -> None:
+    loop = ref()
+    if loop is not None:
+        loop._on_forward()
 
 
 def _check_count(n_windows: object) -> None:
@@ -193,13 +359,40 @@ _counting_allreduce_hook.__annotations__ = {
 }
 
 
+BUFFER_SYNC_WITH_ROUTER = (
+    "DDP buffer sync (forward_sync_buffers/broadcast_buffers) with module buffers and "
+    "a JAGG router: ranks that recompute routed-out samples make an extra forward, "
+    "which can desynchronise the buffer broadcast; pass forward_sync_buffers=False "
+    "(broadcast_buffers=False before torch 2.13; with accelerate: "
+    "DistributedDataParallelKwargs(broadcast_buffers=False)) to DistributedDataParallel"
+)
+
+
+def ddp_syncs_buffers(model: object) -> bool:
+    """True for a DDP model that broadcasts module buffers in its forward (and has some).
+
+    DDP decides whether a forward broadcasts from whether the *previous* forward ran with
+    grad; a router's with-grad recomputation on only some ranks makes the ranks disagree,
+    so the broadcasts stop pairing up (a hang, or buffers received by the wrong
+    collective).  ``jagg_window``/``jagg_trajectory`` refuse such a model with a router.
+    """
+    if not _is_ddp(model):
+        return False
+    # torch >= 2.13 calls it forward_sync_buffers (broadcast_buffers is deprecated).
+    sync_bufs = getattr(model, "forward_sync_buffers", None)
+    if sync_bufs is None:
+        sync_bufs = getattr(model, "broadcast_buffers", True)
+    return bool(sync_bufs) and any(True for _ in model.module.buffers())
+
+
 def check_ddp_for_jagg(
     model: nn.parallel.DistributedDataParallel, *, router: object = None
 ) -> list[str]:
     """Warn about DDP settings that can desynchronise ranks under JAGG; return the messages.
 
     * buffer sync on (``forward_sync_buffers=True``, formerly ``broadcast_buffers``) with
-      buffers and a router: DDP broadcasts buffers in a
+      buffers and a router (``jagg_window``/``jagg_trajectory`` refuse it with a
+      ``ValueError``): DDP broadcasts buffers in a
       forward that follows a with-grad forward.  The router's exact recomputation is an extra
       with-grad forward on only the ranks that routed samples, so ranks disagree on
       whether the next forward broadcasts: a collective mismatch (hang or wrong buffers).
@@ -211,18 +404,8 @@ def check_ddp_for_jagg(
     msgs: list[str] = []
     if not _is_ddp(model):
         return msgs
-    has_buffers = any(True for _ in model.module.buffers())
-    # torch >= 2.13 calls it forward_sync_buffers (broadcast_buffers is deprecated).
-    sync_bufs = getattr(model, "forward_sync_buffers", None)
-    if sync_bufs is None:
-        sync_bufs = getattr(model, "broadcast_buffers", True)
-    if router is not None and sync_bufs and has_buffers:
-        msgs.append(
-            "DDP buffer sync (forward_sync_buffers/broadcast_buffers) with module buffers and "
-            "a JAGG router: ranks that recompute routed-out samples make an extra forward, "
-            "which can desynchronise the buffer broadcast; pass forward_sync_buffers=False "
-            "(broadcast_buffers=False before torch 2.13) to DistributedDataParallel"
-        )
+    if router is not None and ddp_syncs_buffers(model):
+        msgs.append(BUFFER_SYNC_WITH_ROUTER)
     if getattr(model, "static_graph", False):
         msgs.append(
             "DDP(static_graph=True): JAGG's number of with-grad forwards per backward is "
