@@ -31,7 +31,7 @@ setup(
     package_data={"jagg_autograd": ["assets/*.safetensors", "assets/*.json"]},
     # 2.13.0 (the CPU build CI pins) satisfies this range; a bare "torch" would let a
     # resolver pull a multi-GB CUDA build on machines that have no torch yet.
-    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", *_DEMO],
+    install_requires=["torch>=2.4,<2.14", "numpy>=1.24", "scipy>=1.10", *_DEMO],
     extras_require={
         "triton": ["triton>=3.0"],
         "test": _TEST + _DIFFUSERS,
