@@ -446,3 +446,22 @@ def test_accumulate_windows_return_from_the_loop_function():
     m.seen.clear()
     _step(m)
     assert m.seen == [True] and it is not None
+
+
+def test_accumulate_windows_unrecognised_iteration_errs_towards_sync():
+    # Through a Python generator the loop body cannot be recognised: every window syncs
+    # (no saving, but never a missed all-reduce).
+    m = FakeDDP()
+    for _i in (j for j in accumulate_windows(m, 3)):
+        _step(m)
+    assert m.seen == [True, True, True]
+    # next(): sync stays off for this function's forwards until the following next().
+    m.seen.clear()
+    it = accumulate_windows(m, 2)
+    next(it)
+    _step(m)
+    next(it)
+    _step(m)
+    it.close()
+    _step(m)
+    assert m.seen == [False, True, True]
