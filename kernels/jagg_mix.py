@@ -1,15 +1,17 @@
 """Triton kernel for JAGG's t-weighted mixing of upstream gradients.
 
-For a trajectory of T steps with anchor steps a_0 = 0 < a_1 < ... < a_{n-1} = T-1, every
-step k lies in the span [a_j, a_{j+1}) of exactly one anchor a_j ("current") and the
-next one ("next").  The composite gradient of anchor j is
+Every sample b has its own anchor steps (the (step, sample) pairs run with grad); a
+(T, B) slot table gives each anchor pair its output row (-1 elsewhere).  For sample b,
+every step k lies between the last anchor at or before it ("current", row cur(k, b)) and
+the next one ("next").  The composite gradient of anchor row r is
 
-    G_j = sum_{k : cur(k) = j} w_cur[k] * g_k  +  sum_{k : cur(k) = j-1} w_nxt[k] * g_k
+    G_r = sum_{k : cur(k,b) = r} w_cur[k,b] g_{k,b}  +  sum_{k : nxt(k,b) = r} w_nxt[k,b] g_{k,b}
 
-(for an anchor step w_cur = 1, w_nxt = 0; for an interpolated step w_cur = 1 - alpha_k,
-w_nxt = alpha_k; a step routed to the exact gradient has both weights 0).  One program
-owns a (sample, feature block) tile and sweeps the T steps once, so every g_k is read
-exactly once and every G_j written exactly once, without atomics.
+(anchor: w_cur = 1, w_nxt = 0; interpolated step: 1 - alpha_k and alpha_k; a step outside
+the sample's first..last anchor carries zero weights).  One program owns a (sample,
+feature block) tile and sweeps the T steps once, so every g is read exactly once and every
+G_r written exactly once, without atomics.  The shared layout of a trajectory (anchor
+steps a_j, slot j * B + b) is the special case whose output is (n, B, N).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def _jagg_mix_kernel(
     T,
     B,
     N,
-    n_anchors,
     stride_gt,
     stride_gb,
     stride_gn,
@@ -40,25 +41,29 @@ def _jagg_mix_kernel(
     mask = cols < N
     acc_cur = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_nxt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Row of the current anchor (-1 before the sample's first one), broadcast to the block.
+    cur_row = tl.zeros([BLOCK_N], dtype=tl.int64) - 1
     # Walk pointers forward by one step each iteration: 64-bit pointer arithmetic, so large
     # T * stride products never pass through a 32-bit index.
     g_ptrs = g_ptr + b * stride_gb + cols * stride_gn
     wc_ptr = w_cur_ptr + b
     wn_ptr = w_nxt_ptr + b
-    for k in range(0, T):
-        # slot[k] = j > 0 when step k is anchor j: anchor j-1 is complete, emit it and shift.
-        slot = tl.load(slot_ptr + k).to(tl.int64)
+    sl_ptr = slot_ptr + b
+    for _k in range(0, T):
+        # slot >= 0: step k is an anchor of sample b.  The previous anchor is complete:
+        # emit it (if there was one), then the "next" accumulator becomes the current one.
         # Broadcast before comparing: a block-shaped predicate keeps the masked store and
-        # the selects below uniform on every backend (the interpreter included).
-        is_new = (tl.zeros([BLOCK_N], dtype=tl.int64) + slot) > 0
-        prev = tl.maximum(slot - 1, 0)
+        # the selects uniform on every backend (the interpreter included).
+        slot = tl.zeros([BLOCK_N], dtype=tl.int64) + tl.load(sl_ptr).to(tl.int64)
+        is_new = slot >= 0
         tl.store(
-            out_ptr + (prev * B + b) * N + cols,
+            out_ptr + tl.maximum(cur_row, 0) * N + cols,
             acc_cur.to(out_ptr.dtype.element_ty),
-            mask=mask & is_new,
+            mask=mask & is_new & (cur_row >= 0),
         )
         acc_cur = tl.where(is_new, acc_nxt, acc_cur)
         acc_nxt = tl.where(is_new, 0.0, acc_nxt)
+        cur_row = tl.where(is_new, slot, cur_row)
         g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         wc = tl.load(wc_ptr)
         wn = tl.load(wn_ptr)
@@ -68,44 +73,48 @@ def _jagg_mix_kernel(
         g_ptrs += stride_gt
         wc_ptr += B
         wn_ptr += B
-    # b is int64, so the whole offset is computed in 64 bits.
-    last_off = ((n_anchors - 1) * B + b) * N
-    tl.store(out_ptr + last_off + cols, acc_cur.to(out_ptr.dtype.element_ty), mask=mask)
+        sl_ptr += B
+    # The last anchor of the sample: everything after it has zero weight.
+    tl.store(
+        out_ptr + tl.maximum(cur_row, 0) * N + cols,
+        acc_cur.to(out_ptr.dtype.element_ty),
+        mask=mask & (cur_row >= 0),
+    )
 
 
 def jagg_mix_triton(
     grad: torch.Tensor,
     w_cur: torch.Tensor,
     w_nxt: torch.Tensor,
-    anchors: torch.Tensor,
+    slots: torch.Tensor,
+    n_out: int,
     *,
     block_n: int = 1024,
 ) -> torch.Tensor:
-    """Launch ``_jagg_mix_kernel``; same contract as ``jagg_autograd.mix.jagg_mix_ref``.
+    """Launch ``_jagg_mix_kernel``; same contract as ``jagg_autograd.mix.jagg_mix_slots_ref``.
 
-    grad: (T, B, N) any strides, fp16/bf16/fp32; w_cur, w_nxt: (T, B) float32;
-    anchors: (n,) int64, sorted, anchors[0] = 0, anchors[-1] = T - 1.
-    Returns (n, B, N) in grad's dtype.
+    grad: (T, B, N) any strides, fp16/bf16/fp32; w_cur, w_nxt: (T, B) (used in float32);
+    slots: (T, B) integer, the output row of each anchor pair, -1 elsewhere, every row in
+    [0, n_out) used exactly once.  Returns (n_out, N) in grad's dtype.
     """
     T, B, N = grad.shape
-    n = anchors.numel()
-    slot = torch.full((T,), -1, dtype=torch.int32, device=grad.device)
-    slot[anchors] = torch.arange(n, dtype=torch.int32, device=grad.device)
-    out = torch.empty((n, B, N), dtype=grad.dtype, device=grad.device)
+    out = torch.empty((n_out, N), dtype=grad.dtype, device=grad.device)
+    if n_out == 0 or N == 0:
+        return out
     w_cur = w_cur.to(torch.float32).contiguous()
     w_nxt = w_nxt.to(torch.float32).contiguous()
+    slots = slots.to(device=grad.device, dtype=torch.int32).contiguous()
     block = min(block_n, triton.next_power_of_2(max(N, 16)))
     grid = (B, triton.cdiv(N, block))
     _jagg_mix_kernel[grid](
         grad,
         w_cur,
         w_nxt,
-        slot,
+        slots,
         out,
         T,
         B,
         N,
-        n,
         grad.stride(0),
         grad.stride(1),
         grad.stride(2),

@@ -13,6 +13,7 @@ import torch
 from fields import MLPField, params_grad, rel_err
 
 from jagg_autograd import jagg_mix, jagg_mix_ref, jagg_trajectory, jagg_window
+from jagg_autograd.mix import anchor_slots
 from jagg_autograd.router import cosine_route, cosine_route_ref
 
 triton = pytest.importorskip("triton")
@@ -62,6 +63,72 @@ def test_mix_kernel_matches_reference(dtype, T, anchors, B, N):
     assert got.dtype == dtype and got.shape == (len(anchors), B, N)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+def _mask_weights(T: int, B: int, mask: torch.Tensor, g: torch.Generator):
+    """Random interpolation weights consistent with per-sample anchors ``mask``."""
+    wc = torch.rand(T, B, generator=g, dtype=torch.float64)
+    wn = torch.rand(T, B, generator=g, dtype=torch.float64)
+    wc[mask] = 1.0
+    wn[mask] = 0.0
+    steps = torch.arange(T).unsqueeze(1).expand(T, B)
+    first = torch.where(mask, steps, T).amin(0)
+    last = torch.where(mask, steps, -1).amax(0)
+    outside = (steps < first) | (steps > last)
+    wc[outside] = 0.0
+    wn[outside] = 0.0
+    return wc, wn
+
+
+def _mix_brute(grad, wc, wn, mask):
+    """The mixing op as a loop over samples and steps, in float64."""
+    T, B, N = grad.shape
+    rows = {}
+    for k, b in mask.nonzero().tolist():
+        rows[(k, b)] = len(rows)
+    out = torch.zeros(len(rows), N, dtype=torch.float64)
+    for b in range(B):
+        an = [k for k in range(T) if mask[k, b]]
+        for k in range(T):
+            cur = [a for a in an if a <= k]
+            nxt = [a for a in an if a > k]
+            if cur:
+                out[rows[(cur[-1], b)]] += wc[k, b] * grad[k, b].double()
+            if nxt:
+                out[rows[(nxt[0], b)]] += wn[k, b] * grad[k, b].double()
+    return out
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,B,N,seed", [(2, 1, 1, 0), (9, 3, 63, 1), (10, 5, 100, 2), (7, 2, 1025, 3)])
+def test_mix_kernel_per_sample_anchors(dtype, T, B, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(T, B, generator=g) < 0.4
+    mask[0, 0] = True  # at least one anchor pair; some samples may have none or one
+    wc, wn = _mask_weights(T, B, mask, g)
+    grad = torch.randn(T, B, N, generator=g).to(dtype)
+    want = _mix_brute(grad, wc, wn, mask)
+    ref = jagg_mix_ref(grad, wc, wn, mask)
+    got = jagg_mix(grad.to(DEV), wc.to(DEV), wn.to(DEV), mask.to(DEV), backend="triton")
+    assert got.shape == ref.shape == (int(mask.sum()), N) and got.dtype == dtype
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(ref.double(), want, **_tol(dtype))
+    torch.testing.assert_close(got.cpu().float(), ref.float(), **_tol(dtype))
+
+
+def test_mix_shared_steps_equal_the_same_mask():
+    T, B, N = 10, 3, 17
+    g = torch.Generator().manual_seed(5)
+    a = [0, 3, 6, 9]
+    wc, wn = _weights(T, B, a, g)
+    grad = torch.randn(T, B, N, generator=g, dtype=torch.float64)
+    mask = torch.zeros(T, B, dtype=torch.bool)
+    mask[a] = True
+    shared = jagg_mix_ref(grad, wc, wn, torch.tensor(a))
+    per = jagg_mix_ref(grad, wc, wn, mask)
+    torch.testing.assert_close(shared.reshape(-1, N), per, rtol=0, atol=1e-15)
+    torch.testing.assert_close(per, _mix_brute(grad, wc, wn, mask), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,7 +258,8 @@ def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
     grad = torch.randn(T, B, N)
     wc, wn = _weights(T, B, [0, 3, 6], torch.Generator().manual_seed(0))
     a = torch.tensor([0, 3, 6])
-    torch.library.opcheck(jagg_mix_op, (grad, wc.float(), wn.float(), a))
+    slots, n_out = anchor_slots(a, T, B)
+    torch.library.opcheck(jagg_mix_op, (grad, wc.float(), wn.float(), slots, n_out))
     v, alpha = torch.randn(T, B, N), torch.rand(T, B)
     lr = (torch.tensor([0, 3]), torch.tensor([3, 6]))
     torch.library.opcheck(cosine_route_partials_op, (v, alpha, *lr))
@@ -203,9 +271,10 @@ def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
         return gm.forward
 
     @torch.compile(backend=counting, fullgraph=True)
-    def step(g, w1, w2, anchors):
-        return jagg_mix_op(g * 2, w1, w2, anchors) + 1
+    def step(g, w1, w2, slots):
+        return jagg_mix_op(g * 2, w1, w2, slots, n_out) + 1
 
-    out = step(grad, wc.float(), wn.float(), a)
+    out = step(grad, wc.float(), wn.float(), slots)
     assert len(graphs) == 1
-    torch.testing.assert_close(out, jagg_mix_ref(grad * 2, wc, wn, a) + 1, rtol=1e-5, atol=1e-5)
+    want = jagg_mix_ref(grad * 2, wc, wn, a).reshape(n_out, N) + 1
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -17,15 +17,15 @@ from jagg_autograd.kernels import jagg_mix as _mix_kernels
 
 @torch.library.custom_op("jagg_autograd::jagg_mix", mutates_args=())
 def jagg_mix_op(
-    grad: torch.Tensor, w_cur: torch.Tensor, w_nxt: torch.Tensor, anchors: torch.Tensor
+    grad: torch.Tensor, w_cur: torch.Tensor, w_nxt: torch.Tensor, slots: torch.Tensor, n_out: int
 ) -> torch.Tensor:
-    """(T, B, N) upstream gradients -> (n_anchors, B, N) composites (see ``jagg_mix_ref``)."""
-    return _mix_kernels.jagg_mix_triton(grad, w_cur, w_nxt, anchors)
+    """(T, B, N) upstream gradients -> (n_out, N) composites (see ``jagg_mix_slots_ref``)."""
+    return _mix_kernels.jagg_mix_triton(grad, w_cur, w_nxt, slots, n_out)
 
 
 @jagg_mix_op.register_fake
-def _jagg_mix_fake(grad, w_cur, w_nxt, anchors):
-    return grad.new_empty((anchors.shape[0], grad.shape[1], grad.shape[2]))
+def _jagg_mix_fake(grad, w_cur, w_nxt, slots, n_out):
+    return grad.new_empty((n_out, grad.shape[2]))
 
 
 @torch.library.custom_op("jagg_autograd::cosine_route_partials", mutates_args=())

@@ -9,17 +9,19 @@ parameter gradients are, so the approximation can be validated before it is trus
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from jagg_autograd.deferred import resolve_params
 from jagg_autograd.router import CosineRouter
 from jagg_autograd.window import (
     JaggStats,
     _check_latents,
     _check_router,
+    check_reuse_args,
     jagg_trajectory,
     jagg_window,
 )
@@ -154,37 +156,6 @@ def _check_upstream(upstream: object, latents: torch.Tensor) -> torch.Tensor:
     return upstream.detach()
 
 
-def _resolve_params(model: object, params: object) -> list[torch.Tensor]:
-    if params is None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                "params must be given when model is not a torch.nn.Module "
-                f"(got a {type(model).__name__})"
-            )
-        found = [p for p in model.parameters() if p.requires_grad]
-        if not found:
-            raise ValueError("params: the model has no parameter that requires grad")
-        return found
-    # A bare tensor is iterable (its rows), which would silently measure the wrong thing.
-    if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"params must be a sequence of tensors (e.g. a list), got {type(params).__name__}"
-        )
-    ps = list(params)
-    if not ps:
-        raise ValueError("params must not be empty")
-    for i, p in enumerate(ps):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
-        if not p.requires_grad:
-            raise ValueError(f"params[{i}] does not require grad: it has no gradient to compare")
-    # A parameter listed twice would weigh twice in the cosine.
-    unique: dict[int, torch.Tensor] = {}
-    for p in ps:
-        unique.setdefault(id(p), p)
-    return list(unique.values())
-
-
 # -------------------------------------------------------------------------------- maths
 
 
@@ -260,6 +231,10 @@ def gradient_fidelity(
     batching: str = "stacked",
     batched_cond: Collection[str] | None = None,
     per_window: bool = False,
+    values: torch.Tensor | None = None,
+    deferred: bool = False,
+    placement: str = "uniform",
+    budget: float | None = None,
 ) -> FidelityReport:
     """Compare JAGG's parameter gradient with the exact one on one rollout of your model.
 
@@ -340,9 +315,13 @@ def gradient_fidelity(
     router = _check_router(router)
     latents = _check_latents(latents, "W" if window is None else "T")
     upstream = _check_upstream(upstream, latents)
-    ps = _resolve_params(model, params)
+    ps = resolve_params(model, params, who="gradient_fidelity", require=True)
+    # The JAGG run's new arguments, checked now: the exact run comes first.
+    check_reuse_args(latents, values, deferred, placement, budget, None, router, "jagg", 2)
 
-    def run(mode: str, rt: CosineRouter | None) -> tuple[torch.Tensor, JaggStats]:
+    def run(
+        mode: str, rt: CosineRouter | None, **extra: Any
+    ) -> tuple[torch.Tensor, JaggStats]:
         common: dict[str, Any] = {
             "cond": cond,
             "mode": mode,
@@ -350,7 +329,10 @@ def gradient_fidelity(
             "batching": batching,
             "batched_cond": batched_cond,
             "return_stats": True,
+            **extra,
         }
+        if extra.get("deferred"):
+            common["params"] = ps
         if window is None:
             v, st = jagg_window(model, latents, timesteps, **common)
             # One layout for both cases: a window is a one-row trajectory.
@@ -371,7 +353,8 @@ def gradient_fidelity(
         g_ex = _grads(v_ex, upstream, ps, retain=split)
         grad_samples["exact"], backward_calls["exact"] = st_ex.grad_samples, st_ex.backward_calls
 
-        v_jg, st_jg = run("jagg", None)
+        reuse = {"values": values, "deferred": deferred}
+        v_jg, st_jg = run("jagg", None, **reuse, placement=placement, budget=budget)
         g_jg = _grads(v_jg, upstream, ps, retain=split)
         grad_samples["jagg"], backward_calls["jagg"] = st_jg.grad_samples, st_jg.backward_calls
         cos, rel, ratio, exact_norm = compare_grads(g_ex, g_jg, ps)
@@ -397,7 +380,7 @@ def gradient_fidelity(
 
         routed_cos = routed_rel = exact_fraction = None
         if router is not None:
-            v_rt, st_rt = run("jagg", router)
+            v_rt, st_rt = run("jagg", router, **reuse)
             g_rt = _grads(v_rt, upstream, ps, retain=False)
             routed_cos, routed_rel, _, _ = compare_grads(g_ex, g_rt, ps)
             value_diff = max(value_diff, _max_abs_diff(v_rt, v_ex))

@@ -1,0 +1,274 @@
+"""The deferred path: anchors run with grad inside the backward, chunk by chunk.
+
+The forward makes no with-grad model call: it hands back the velocities (the caller's
+``values``, or all T steps under ``no_grad``).  The backward, once the upstream gradients
+g (T, B, *S) exist,
+
+1. plans the anchors (a uniform / routed mask fixed in the forward, or the adaptive
+   placement chosen from g and the velocities, ``jagg_autograd.planner``),
+2. folds g onto the anchor pairs (the mixing op, ``jagg_autograd.mix``),
+3. runs the anchor pairs with grad ``chunk_size`` samples at a time and back-propagates
+   and frees each chunk before the next, so peak activation memory is one chunk's — with
+   ``chunk_size = B`` that of Flow-GRPO's per-step loop,
+4. with caller-given ``values``, compares every recomputed anchor with them (a
+   deviation beyond tolerance means the values are stale) before any gradient leaves,
+
+and returns the accumulated parameter (and cond) gradients as the gradients of the
+Function's inputs, so they reach ``.grad`` through autograd like any op's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from jagg_autograd.mix import mix_slots
+from jagg_autograd.planner import Plan, adaptive_choice, make_plan
+
+# Default staleness tolerance of recomputed anchors vs ``values``, relative to
+# (1 + max|values|): a few ulp of round-off between a rollout's batch and the anchors'
+# batch must pass; one optimizer step (lr 1e-4 on the digits DiT moves velocities by
+# ~1e-3) must not.  float32: 1e-5 (about 100 ulp).
+VALUES_RTOL = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def values_tolerance(values: torch.Tensor, tol: float | None) -> torch.Tensor:
+    """Absolute tolerance (a 0-d tensor) of anchors recomputed against ``values``."""
+    if tol is not None:
+        return torch.tensor(float(tol), device=values.device)
+    rtol = VALUES_RTOL.get(values.dtype, 1e-5)
+    return rtol * (1.0 + values.detach().abs().amax().to(torch.float64))
+
+
+def resolve_params(model: object, params: object, *, who: str, require: bool) -> list[torch.Tensor]:
+    """The trainable tensors: ``params`` as given (deduplicated), else the model's.
+
+    who: the feature that needs them (for the message); require: an empty result is a
+    ValueError (a comparison needs a gradient; a deferred call does not).
+    """
+    if params is None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"params must be given for {who} when model is not a torch.nn.Module "
+                f"(got a {type(model).__name__}): pass params=[the trainable tensors]"
+            )
+        found = [p for p in model.parameters() if p.requires_grad]
+        if require and not found:
+            raise ValueError("params: the model has no parameter that requires grad")
+        ps: list[torch.Tensor] = found
+    else:
+        # A bare tensor is iterable (its rows), which would silently use the wrong thing.
+        if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
+            raise TypeError(
+                f"params must be a sequence of tensors (e.g. a list), got {type(params).__name__}"
+            )
+        ps = list(params)
+        if not ps:
+            raise ValueError("params must not be empty")
+        for i, p in enumerate(ps):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            if not p.requires_grad:
+                raise ValueError(f"params[{i}] does not require grad: it has no gradient")
+    # A tensor listed twice would get its gradient twice.
+    unique: dict[int, torch.Tensor] = {}
+    for p in ps:
+        unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+@dataclass
+class DeferredSpec:
+    """Everything the backward needs besides the saved tensors.
+
+    caller: runs the model on (step, sample) pairs (``window._Caller``).
+    plan: the plan fixed in the forward (uniform / routed / exact), or None for adaptive.
+    t64: (T, B) float64 timesteps; budget_total: adaptive anchors over the batch.
+    check_values: compare recomputed anchors with the values (caller-given values).
+    tol: absolute tolerance of that comparison (0-d tensor) or None.
+    targets: the gradient-carrying inputs that follow ``values`` in ``apply``.
+    stats: the call's ``JaggStats`` (completed here) or None.
+    """
+
+    caller: Any
+    plan: Plan | None
+    t64: torch.Tensor
+    budget_total: int
+    chunk_size: int | None
+    batching: str
+    backend: str
+    check_values: bool
+    tol: torch.Tensor | None
+    targets: list[torch.Tensor]
+    stats: Any
+    autocast: tuple[bool, torch.dtype] | None
+
+
+def _chunk_bounds(ks: torch.Tensor, per: int, per_step: bool) -> list[tuple[int, int]]:
+    n = ks.numel()
+    if per_step:
+        cuts = [0, *torch.nonzero(ks[1:] != ks[:-1]).flatten().add(1).tolist(), n]
+        out = []
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            out.extend((a, min(a + per, hi)) for a in range(lo, hi, per))
+        return out
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+class DeferredJaggFunction(torch.autograd.Function):
+    """``apply(spec, values, *inputs)``: values (T, B, *S) without graph; inputs: the
+    tensors whose gradient the anchors produce (parameters, cond tensors that require
+    grad).  Output: the values (same storage), connected to those inputs.
+
+    Saved for backward: the values (the output's own storage, no copy).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, spec: DeferredSpec, values: torch.Tensor, *inputs: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.spec = spec
+        out = values.detach()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        spec: DeferredSpec = ctx.spec
+        (values,) = ctx.saved_tensors
+        grads = run_deferred_backward(spec, values, grad, spec.targets)
+        return (None, None, *grads)
+
+
+def run_deferred_backward(
+    spec: DeferredSpec,
+    values: torch.Tensor,
+    grad: torch.Tensor,
+    targets: list[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """Plan, mix, run the anchors in chunks and return one gradient per target."""
+    caller = spec.caller
+    T, B = values.shape[:2]
+    t0 = time.perf_counter()
+    if spec.plan is None:
+        choice = adaptive_choice(values, grad, spec.t64, spec.budget_total)
+        plan = make_plan(choice.mask, spec.t64)
+    else:
+        plan = spec.plan
+    plan_s = time.perf_counter() - t0
+    n_rows = plan.n_rows
+    g_rows = mix_slots(
+        grad.reshape(T, B, -1), plan.w_cur, plan.w_nxt, plan.slots, n_rows, spec.backend
+    )
+    # Rows of whole steps first (the uniform plan), then the pairs: one (k, b) list.
+    ks, bs = _pairs_in_row_order(plan, B)
+    per = B if spec.chunk_size is None else spec.chunk_size
+    acc: list[torch.Tensor | None] = [None] * len(targets)
+    worst = torch.zeros((), dtype=torch.float64, device=values.device)
+    calls = samples = 0
+    for lo, hi in _chunk_bounds(ks, per, spec.batching == "per_step"):
+        k, b = ks[lo:hi], bs[lo:hi]
+        with torch.enable_grad(), _autocast(values.device, spec.autocast):
+            v = caller.pairs(k, b, grad=True)
+        if spec.check_values:
+            dev = (v.detach().to(torch.float64) - values[k, b].to(torch.float64)).abs()
+            worst = torch.maximum(worst, dev.amax())
+        if not v.requires_grad:
+            continue
+        calls += 1
+        samples += hi - lo
+        with _hooks_suspended(targets):
+            gs = torch.autograd.grad(
+                v, targets, g_rows[lo:hi].view_as(v).to(v.dtype), allow_unused=True
+            )
+        del v
+        for i, gi in enumerate(gs):
+            if gi is None:
+                continue
+            acc[i] = gi if acc[i] is None else acc[i].add_(gi)
+    if spec.check_values and bool(worst > spec.tol):
+        raise RuntimeError(
+            f"values look stale: an anchor recomputed with grad differs from the given "
+            f"values by {float(worst):.3g} (tolerance {float(spec.tol):.3g}); values= must "
+            "be the velocities of these latents at the CURRENT parameters (was there an "
+            "optimizer step since the rollout?). No gradient was applied."
+        )
+    if spec.stats is not None:
+        st = spec.stats
+        st.grad_samples = samples
+        st.grad_forward_calls = calls
+        st.anchor_mask.copy_(plan.anchor_mask)
+        st.anchors[:] = plan.anchor_mask.any(1).nonzero().flatten().tolist()
+        st.plan_seconds = plan_s
+    return acc
+
+
+@contextlib.contextmanager
+def _hooks_suspended(targets: list[torch.Tensor]) -> Iterator[None]:
+    """Keep the targets' tensor hooks from seeing a chunk's partial gradient.
+
+    ``autograd.grad`` runs a tensor's hooks whenever it computes that tensor's gradient;
+    the chunks' gradients are private partial sums, so the user's hooks must see only the
+    total, once, when the Function hands it to autograd.  The hook dicts are emptied for
+    the duration of the chunk's ``autograd.grad`` and refilled right after.
+    """
+    stash = []
+    for t in targets:
+        hooks = getattr(t, "_backward_hooks", None)
+        if hooks:
+            stash.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in stash:
+            hooks.update(saved)
+
+
+def _pairs_in_row_order(plan: Plan, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not plan.whole_steps:
+        return plan.pair_k, plan.pair_b
+    dev = plan.anchor_mask.device
+    w = torch.tensor(plan.whole_steps, dtype=torch.long, device=dev)
+    wk = w.repeat_interleave(B)
+    wb = torch.arange(B, device=dev).repeat(len(plan.whole_steps))
+    return torch.cat([wk, plan.pair_k]), torch.cat([wb, plan.pair_b])
+
+
+class _autocast:
+    """Re-enter the forward's autocast state for the recomputation (as checkpointing does)."""
+
+    def __init__(self, device: torch.device, state: tuple[bool, torch.dtype] | None) -> None:
+        self.ctx = (
+            torch.autocast(device.type, dtype=state[1], enabled=state[0])
+            if state is not None
+            else None
+        )
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
+    """The current autocast state for ``device`` (None when autocast does not apply)."""
+    try:
+        return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    except (RuntimeError, AttributeError):  # device types without autocast
+        return None

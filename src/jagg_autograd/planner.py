@@ -1,0 +1,273 @@
+"""Planners: which (step, sample) pairs run with grad, and how every step's g folds onto them.
+
+Every JAGG call executes a :class:`Plan`.  A plan is an anchor mask A (T, B) — the pairs
+whose velocity is recomputed with grad — and the interpolation weights of every other
+pair: for sample b, a step k strictly between its anchors p < k < q gets
+
+    alpha = (t_k - t_p) / (t_q - t_p),   w_cur = 1 - alpha (onto p),   w_nxt = alpha (onto q)
+
+(an anchor: w_cur = 1, w_nxt = 0; a step before the sample's first or after its last anchor:
+0, 0 — such a step must carry zero upstream gradient).  The planners differ only in the
+mask:
+
+* :func:`uniform_mask` — today's layout: the same anchor steps for every sample; a
+  router's routed-out (window, sample) pairs make every step of that window an anchor
+  (the exact gradient there);
+* :func:`exact_mask` — every pair (the exact gradient);
+* :func:`adaptive_mask` — per-sample anchor sets chosen after the loss, knowing g: each
+  sample's set minimises the proxy  sum_k ||g_k|| * ||v_k - v_hat_k||  (v_hat_k the
+  t-linear interpolation between the step's neighbouring anchors) for its anchor count,
+  by dynamic programming over Gram matrices, and the batch's budget of anchors is shared
+  greedily by marginal proxy reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Plan:
+    """One call's plan.
+
+    anchor_mask: (T, B) bool, the pairs run with grad.
+    w_cur, w_nxt: (T, B) float64 interpolation weights (see the module docstring).
+    slots: (T, B) int64, the row of each anchor pair in the with-grad velocities (-1
+        elsewhere): the rows of ``whole_steps`` first (step j of the list, sample b at
+        j * B + b: one stacked call), then the remaining anchor pairs in step-major order.
+    whole_steps: anchor steps run for every sample as whole-step calls (eager layout).
+    pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
+    """
+
+    anchor_mask: torch.Tensor
+    w_cur: torch.Tensor
+    w_nxt: torch.Tensor
+    slots: torch.Tensor
+    whole_steps: list[int]
+    pair_k: torch.Tensor
+    pair_b: torch.Tensor
+
+    @property
+    def n_rows(self) -> int:
+        """Number of with-grad (step, sample) evaluations."""
+        return len(self.whole_steps) * self.anchor_mask.shape[1] + self.pair_k.numel()
+
+
+def interpolation_weights(
+    anchor_mask: torch.Tensor, t64: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_cur, w_nxt) float64 (T, B) for per-sample anchors ``anchor_mask`` at ``t64`` (T, B)."""
+    T, B = anchor_mask.shape
+    dev = anchor_mask.device
+    steps = torch.arange(T, device=dev).unsqueeze(1).expand(T, B)
+    prev = torch.where(anchor_mask, steps, -1).cummax(0).values  # last anchor <= k
+    nxt = torch.where(anchor_mask, steps, T).flip(0).cummin(0).values.flip(0)  # first >= k
+    inside = (prev >= 0) & (nxt < T) & ~anchor_mask
+    p = prev.clamp(0, T - 1)
+    q = nxt.clamp(0, T - 1)
+    tp, tq = t64.gather(0, p), t64.gather(0, q)
+    alpha = torch.where(inside, (t64 - tp) / torch.where(inside, tq - tp, 1.0), 0.0)
+    w_cur = torch.where(anchor_mask, 1.0, torch.where(inside, 1.0 - alpha, 0.0))
+    w_nxt = torch.where(inside, alpha, 0.0)
+    return w_cur.to(torch.float64), w_nxt.to(torch.float64)
+
+
+def make_plan(
+    anchor_mask: torch.Tensor, t64: torch.Tensor, whole_steps: list[int] | None = None
+) -> Plan:
+    """The plan of ``anchor_mask``; ``whole_steps`` (all True in the mask) get the first rows."""
+    T, B = anchor_mask.shape
+    dev = anchor_mask.device
+    whole = list(whole_steps or [])
+    w_cur, w_nxt = interpolation_weights(anchor_mask, t64)
+    slots = torch.full((T, B), -1, dtype=torch.long, device=dev)
+    if whole:
+        idx = torch.tensor(whole, dtype=torch.long, device=dev)
+        slots[idx] = torch.arange(len(whole) * B, device=dev).view(len(whole), B)
+    rest = anchor_mask.clone()
+    if whole:
+        rest[idx] = False
+    ks, bs = rest.nonzero(as_tuple=True)  # step-major
+    slots[ks, bs] = len(whole) * B + torch.arange(ks.numel(), device=dev)
+    return Plan(anchor_mask, w_cur, w_nxt, slots, whole, ks, bs)
+
+
+# ------------------------------------------------------------------------------ uniform
+
+
+def uniform_mask(
+    T: int,
+    B: int,
+    anchors: list[int],
+    windows: list[tuple[int, int]],
+    routed: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Shared anchor steps; routed (n_windows, B) pairs make their window's steps anchors."""
+    mask = torch.zeros((T, B), dtype=torch.bool, device=device)
+    mask[anchors] = True
+    if routed is not None:
+        for i, (lo, hi) in enumerate(windows):
+            if hi - lo >= 2:
+                mask[lo + 1 : hi] |= routed[i]
+    return mask
+
+
+def exact_mask(T: int, B: int, device: torch.device) -> torch.Tensor:
+    """Every pair with grad: the exact gradient."""
+    return torch.ones((T, B), dtype=torch.bool, device=device)
+
+
+# ----------------------------------------------------------------------------- adaptive
+
+
+def segment_costs(values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor) -> torch.Tensor:
+    """C[b, p, q] = sum_{p<k<q} ||g_k|| ||v_k - (1-a_k) v_p - a_k v_q||, (B, T, T) float64.
+
+    values, upstream: (T, B, N); t64: (T, B).  The residual norms come from each sample's
+    Gram matrix of its velocities (one batched matmul) rather than from the (T^3, N)
+    residuals themselves.  Velocities are centred per sample first: the residual's
+    coefficients sum to zero, so centring leaves it unchanged and keeps the Gram
+    expansion free of cancellation between large norms.  Entries with q <= p + 1 are 0.
+    """
+    T, B, _ = values.shape
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    v = values.to(acc).transpose(0, 1)  # (B, T, N)
+    v = v - v.mean(1, keepdim=True)
+    gram = torch.bmm(v, v.transpose(1, 2)).to(torch.float64)  # (B, T, T)
+    gnorm = upstream.to(acc).norm(dim=-1).to(torch.float64).T  # (B, T)
+    t = t64.T  # (B, T)
+    # Index order [b, p, k, q].
+    tp, tk, tq = t[:, :, None, None], t[:, None, :, None], t[:, None, None, :]
+    idx = torch.arange(T, device=values.device)
+    between = (idx[:, None, None] < idx[None, :, None]) & (idx[None, :, None] < idx[None, None, :])
+    den = torch.where(between, tq - tp, 1.0)
+    a = torch.where(between, (tk - tp) / den, 0.0)
+    b1 = 1.0 - a
+    diag = gram.diagonal(dim1=1, dim2=2)  # (B, T)
+    m_kk = diag[:, None, :, None]
+    m_pp = diag[:, :, None, None]
+    m_qq = diag[:, None, None, :]
+    m_kp = gram.transpose(1, 2)[:, :, :, None]  # [b, p, k] = M[k, p]
+    m_kq = gram[:, None, :, :]  # [b, k, q]
+    m_pq = gram[:, :, None, :]  # [b, p, q]
+    sq = m_kk + b1 * b1 * m_pp + a * a * m_qq - 2 * b1 * m_kp - 2 * a * m_kq + 2 * a * b1 * m_pq
+    res = sq.clamp_min(0).sqrt() * gnorm[:, None, :, None]
+    return torch.where(between, res, 0.0).sum(2)
+
+
+@dataclass
+class AdaptiveChoice:
+    """The adaptive planner's decision.
+
+    mask: (T, B) bool anchors; counts: (B,) anchors per sample; cost: (B,) proxy of the
+    chosen sets; curve: (B, T + 1) best proxy for each anchor count (inf: impossible).
+    """
+
+    mask: torch.Tensor
+    counts: torch.Tensor
+    cost: torch.Tensor
+    curve: torch.Tensor
+
+
+def _active_range(upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First and last step with a non-zero upstream gradient per sample, and their count."""
+    T = upstream.shape[0]
+    nz = upstream.flatten(2).ne(0).any(-1)  # (T, B)
+    steps = torch.arange(T, device=upstream.device).unsqueeze(1)
+    first = torch.where(nz, steps, T).amin(0)
+    last = torch.where(nz, steps, -1).amax(0)
+    n = (last - first + 1).clamp_min(0)
+    return first, last, n
+
+
+def adaptive_choice(
+    values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor, total: int
+) -> AdaptiveChoice:
+    """Per-sample anchor sets minimising the proxy with ``total`` anchors over the batch.
+
+    values, upstream: (T, B, *S); t64: (T, B).  A sample's anchors span its first to
+    last step with a non-zero upstream gradient (both are anchors; a sample whose g is
+    zero everywhere gets none, one non-zero step gets one).  Every sample first gets its
+    minimum (2 when it spans >= 2 steps); the remaining anchors go one at a time to the
+    sample whose proxy drops most from one more anchor (its optimal set for that count,
+    by dynamic programming).  ``total`` is honoured exactly unless the minimums exceed it
+    or every sample already has all its steps as anchors.
+    """
+    T, B = values.shape[:2]
+    dev = values.device
+    v = values.reshape(T, B, -1)
+    g = upstream.reshape(T, B, -1)
+    first, last, n_act = _active_range(g)
+    C = segment_costs(v, g, t64)  # (B, T, T)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+    steps = torch.arange(T, device=dev)
+    # D[b, q]: best proxy of m anchors from first[b] with the m-th at q.
+    D = torch.where(steps[None, :] == first[:, None], 0.0, inf).to(torch.float64)
+    back = torch.zeros((T + 1, B, T), dtype=torch.long, device=dev)
+    curve = torch.full((B, T + 1), float("inf"), dtype=torch.float64, device=dev)
+    lastc = last.clamp(0, T - 1)
+    curve[:, 0] = torch.where(n_act == 0, 0.0, inf)
+    curve[:, 1] = torch.where(n_act == 1, 0.0, inf)
+    for m in range(2, T + 1):
+        # cand[b, p, q] = D[b, p] + C[b, p, q], allowed for p < q only.
+        cand = D[:, :, None] + torch.where(steps[:, None] < steps[None, :], C, inf)
+        D, back[m] = cand.min(1)
+        curve[:, m] = torch.where(n_act >= 2, D.gather(1, lastc[:, None])[:, 0], inf)
+    # Minimum per sample, then the greedy allocation of the rest.  The (B, T + 1) curve is
+    # tiny: the greedy runs on the host, one vectorised argmax over samples per anchor.
+    n_host = n_act.cpu()
+    counts_h = n_host.clamp(max=2)
+    curve_h = curve.cpu()
+    cols_h = torch.arange(B)
+    remaining = int(total) - int(counts_h.sum())
+
+    def gains(c: torch.Tensor) -> torch.Tensor:
+        nxt = (c + 1).clamp(max=T)
+        g_ = curve_h[cols_h, c] - curve_h[cols_h, nxt]
+        return torch.where((c + 1 <= n_host) & (c >= 2), g_, -torch.inf)
+
+    gain = gains(counts_h)
+    for _ in range(max(remaining, 0)):
+        b = int(torch.argmax(gain))
+        if not bool(torch.isfinite(gain[b])):
+            break
+        counts_h[b] += 1
+        gain[b] = gains(counts_h)[b]
+    counts = counts_h.to(dev)
+    mask = torch.zeros((T, B), dtype=torch.bool, device=dev)
+    # Backtrack every sample's optimal set for its count (vectorised over samples).
+    cols = torch.arange(B, device=dev)
+    q = lastc.clone()
+    for j in range(T, 1, -1):
+        on = counts >= j
+        mask[q, cols] = mask[q, cols] | on
+        q = torch.where(on, back[j].gather(1, q[:, None])[:, 0], q)
+    first_c = first.clamp(0, T - 1)
+    mask[first_c, cols] = mask[first_c, cols] | (counts >= 1)
+    cost = curve.gather(1, counts[:, None])[:, 0]
+    return AdaptiveChoice(mask, counts, cost, curve)
+
+
+def proxy_cost(
+    values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(B,) proxy sum_k ||g_k|| ||v_k - v_hat_k|| of the anchor sets ``mask``, directly.
+
+    The plain-residual evaluation the planner's Gram-matrix DP must agree with (tests)
+    and what benchmarks report for any layout.
+    """
+    T, B = mask.shape
+    w_cur, w_nxt = interpolation_weights(mask, t64)
+    v = values.reshape(T, B, -1).to(torch.float64)
+    g = upstream.reshape(T, B, -1).to(torch.float64)
+    steps = torch.arange(T, device=mask.device).unsqueeze(1).expand(T, B)
+    prev = torch.where(mask, steps, -1).cummax(0).values.clamp(0, T - 1)
+    nxt = torch.where(mask, steps, T).flip(0).cummin(0).values.flip(0).clamp(0, T - 1)
+    cols = torch.arange(B, device=mask.device).unsqueeze(0).expand(T, B)
+    vhat = w_cur[..., None] * v[prev, cols] + w_nxt[..., None] * v[nxt, cols]
+    interp = (w_cur + w_nxt > 0) & ~mask
+    res = (v - vhat).norm(dim=-1) * g.norm(dim=-1)
+    return torch.where(interp, res, 0.0).sum(0)
