@@ -25,6 +25,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,93 @@ def _ddp_program(rank: int, world: int, data: dict[str, torch.Tensor]) -> dict[s
         out["counts_trajectory"].append(counter.calls)
         counter.reset()
     out["warnings"] = check_ddp_for_jagg(m, router=router)
+    out.update(_hardening_ddp(d, router, fresh))
+    out.update(_deferred_ddp(d, router, fresh))
+    return out
+
+
+def _deferred_ddp(
+    d: dict[str, torch.Tensor], router: CosineRouter, fresh: Callable[..., Any]
+) -> dict[str, Any]:
+    """Issue 10: the deferred backward under DDP (anchors run on ddp.module in backward)."""
+    out: dict[str, Any] = {}
+    for key, kw in (
+        ("deferred_trajectory", {"router": router}),
+        ("deferred_adaptive", {"placement": "adaptive", "budget": 4}),
+    ):
+        m = fresh()
+        counter = AllReduceCounter.register(m)
+        v = jagg_trajectory(
+            m, d["lat"], d["t"], window=WIN, cond={"y": d["y"]}, deferred=True, **kw
+        )
+        ((v - d["target"]) ** 2).mean().backward()
+        out[key] = grads_of(m)
+        out[key + "_calls"] = counter.calls
+    # accumulate_windows with deferred windows: one sync per optimizer step.
+    m = fresh()
+    counter = AllReduceCounter.register(m)
+    steps = []
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        wins = windows_of(T, WIN)
+        per = []
+        for i in accumulate_windows(m, len(wins)):
+            lo, hi = wins[i]
+            v = jagg_window(
+                m, d["lat"][lo:hi], d["t"][lo:hi], cond={"y": d["y"]}, router=router,
+                deferred=True,
+            )
+            (((v - d["target"][lo:hi]) ** 2).mean() / len(wins)).backward()
+            per.append(counter.calls)
+            counter.reset()
+        steps.append(per)
+    out["deferred_accumulate_counts"] = steps
+    out["deferred_accumulate"] = grads_of(m)
+    return out
+
+
+def _hardening_ddp(
+    d: dict[str, torch.Tensor], router: CosineRouter, fresh: Callable[..., Any]
+) -> dict[str, Any]:
+    """Issue 14 items 2 and 13, in the DDP process group of ``_ddp_program``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    # Item 2: leave accumulate_windows with break while the iterator is still referenced
+    # (no garbage collection rescues the sync flag); the next, normal step must all-reduce.
+    m = fresh()
+    counter = AllReduceCounter.register(m)
+    wins = windows_of(T, WIN)
+    it = accumulate_windows(m, len(wins))
+    for i in it:
+        lo, hi = wins[i]
+        v = jagg_window(m, d["lat"][lo:hi], d["t"][lo:hi], cond={"y": d["y"]}, router=router)
+        ((v - d["target"][lo:hi]) ** 2).mean().backward()
+        break
+    out["break_calls_in_loop"] = counter.calls
+    m.zero_grad(set_to_none=True)  # the abandoned window's gradient is local: dropped
+    counter.reset()
+    loss_window(m, d, router).backward()
+    out["after_break_calls"] = counter.calls
+    out["after_break"] = grads_of(m)
+    del it
+
+    # Item 13: buffer broadcast + module buffers + a router: flagged by check_ddp_for_jagg
+    # and refused by jagg_window before any model call (the broadcasts would stop pairing
+    # up across ranks that route differently).
+    mb = make_model()
+    mb.register_buffer("const", torch.ones(D))
+    ddp_b = DDP(mb, forward_sync_buffers=True)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out["bufsync_msgs"] = check_ddp_for_jagg(ddp_b, router=router)
+    out["bufsync_warned"] = [str(w.message) for w in rec if w.category is RuntimeWarning]
+    try:
+        loss_window(ddp_b, d, router)
+        out["bufsync_refused"] = ""
+    except ValueError as e:
+        out["bufsync_refused"] = str(e)
+    out["bufsync_norouter_ok"] = bool(torch.isfinite(loss_window(ddp_b, d, None)))
     return out
 
 
@@ -502,8 +590,48 @@ def test_accumulate_windows_syncs_once_per_step(ddp_results, data):
         assert rel(r["accumulate_naive"], ref) < 1e-6
 
 
+def test_ddp_deferred_gradients_equal_union_single_process(ddp_results, data):
+    # Deferred == eager at the same anchors, so the union reference is the eager one.
+    for kind, ref_kind in (("deferred_trajectory", "trajectory"),):
+        ref = reference_grads(ref_kind, data)
+        errs = [rel(r[kind], ref) for r in ddp_results]
+        print(f"FIGURE ddp {kind} rel err per rank:", errs)
+        assert max(errs) < 1e-6
+    ref = reference_grads("accumulate", data)
+    errs = [rel(r["deferred_accumulate"], ref) for r in ddp_results]
+    print("FIGURE ddp deferred accumulate rel err:", errs)
+    assert max(errs) < 1e-6
+    # Adaptive: every rank ends with the same synchronised gradient.
+    assert torch.equal(ddp_results[0]["deferred_adaptive"], ddp_results[1]["deferred_adaptive"])
+    for r in ddp_results:
+        assert r["deferred_trajectory_calls"] >= 1 and r["deferred_adaptive_calls"] >= 1
+        helper = r["deferred_accumulate_counts"]
+        nb = helper[1][-1]
+        assert nb >= 1 and helper[1] == [0] * (len(helper[1]) - 1) + [nb], helper
+
+
 def test_check_ddp_for_jagg_quiet_on_safe_settings(ddp_results):
     assert ddp_results[0]["warnings"] == []
+
+
+def test_accumulate_windows_break_then_normal_step_syncs(ddp_results, data):
+    # Issue 14, item 2: a break out of accumulate_windows (iterator still referenced) used to
+    # leave DDP's sync off: the next step did no all-reduce and the ranks diverged.
+    ref = reference_grads("window", data)
+    for r in ddp_results:
+        assert r["break_calls_in_loop"] == 0  # window 0 of 3: not synced, as designed
+        assert r["after_break_calls"] >= 1, r["after_break_calls"]
+        assert rel(r["after_break"], ref) < 1e-6, rel(r["after_break"], ref)
+    assert torch.equal(ddp_results[0]["after_break"], ddp_results[1]["after_break"])
+
+
+def test_ddp_buffer_sync_with_router_is_warned_and_refused(ddp_results):
+    # Issue 14, item 13.
+    for r in ddp_results:
+        assert len(r["bufsync_msgs"]) == 1 and "forward_sync_buffers=False" in r["bufsync_msgs"][0]
+        assert r["bufsync_warned"] == r["bufsync_msgs"]
+        assert "forward_sync_buffers=False" in r["bufsync_refused"], r["bufsync_refused"]
+        assert r["bufsync_norouter_ok"]
 
 
 @pytest.mark.parametrize("kind", ["window_norouter", "trajectory_norouter"])

@@ -217,7 +217,10 @@ def test_routed_subset_slices_cond():
     lat = lat.clone()
     lat[2, 1] *= 30.0  # makes sample 1 non-linear
     router = CosineRouter(threshold=0.95)
-    _, st = jagg_window(model, lat, t, cond=cond, router=router, return_stats=True)
+    # emb is (B, 4) with B = 4: ambiguous for auto-detection (it warns), so name the keys.
+    _, st = jagg_window(
+        model, lat, t, cond=cond, router=router, return_stats=True, batched_cond=["scale", "emb"]
+    )
     routed = st.exact.nonzero().flatten()
     assert routed.numel() >= 1
     last = model.seen[-1]["scale"]
