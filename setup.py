@@ -10,6 +10,7 @@ _TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "triton>=3.0"]
 _DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", "transformers>=4.40", "accelerate>=0.34"]
 _DEMO = [
     "diffusers>=0.31",
+    "peft>=0.13",  # jagg-demo --tuning lora, the LoRA adapters and the KL reference
     "transformers>=4.40",
     "safetensors>=0.4",
     "scikit-learn>=1.3",

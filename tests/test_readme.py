@@ -11,12 +11,13 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_python_example_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
     assert blocks, "README lost its python example"
-    namespace = {"__name__": "readme"}  # later blocks continue the first one
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    for block in blocks:  # each example runs on its own, as a reader would paste it
+        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     # anchors of T=10, W=4 with shared anchors; one backward call through them
     assert "[0, 3, 6, 9] 1 16" in out
+    # the deferred adaptive example: round(4 * B) anchor pairs, each run once with grad
+    assert "\n16 16\n" in out
     # the gradient_fidelity example prints its report
     assert "cosine(jagg, exact)" in out and "routed CosineRouter" in out
 
