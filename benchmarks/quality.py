@@ -159,9 +159,32 @@ def _run_seed_job(args: tuple[int, list[str], dict[str, Any], str | None, bool])
     seed, names, study, raw_dir, progress = args
     logs = run_seed(seed, names, study, progress)
     if raw_dir is not None:
-        with open(Path(raw_dir) / f"seed{seed}.json", "w", encoding="utf-8") as fh:
-            json.dump(logs, fh)
+        from jagg_autograd.trainer import _write_json_atomic
+
+        # Atomic (temporary file + rename): an interrupted study never leaves half a seed,
+        # and every seed written before the interruption is kept.
+        _write_json_atomic(Path(raw_dir) / f"seed{seed}.json", logs)
     return seed
+
+
+def finished_seed(path: Path, seed: int, names: Sequence[str], study: dict[str, Any]) -> bool:
+    """True when ``path`` holds finished runs of exactly these variants and settings.
+
+    What ``--resume`` skips: every variant's log finished and its logged (resolved) config
+    equals what this study would run now (so changed settings or code defaults re-run).
+    """
+    try:
+        logs = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(logs, dict) or set(logs) != set(names):
+        return False
+    for n in names:
+        want = json.loads(json.dumps(variant_config(n, seed, study).resolved()))
+        log = logs[n]
+        if log.get("status", "finished") != "finished" or log.get("config") != want:
+            return False
+    return True
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -537,11 +560,14 @@ def run_study(
     out: Path,
     progress: bool = True,
     report_only: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run every seed (``study['workers']`` processes), aggregate, write the outputs.
 
     ``report_only``: train nothing; rebuild the outputs from ``out/raw/seed*.json`` of an
     earlier run (its command, date, duration and machine are kept from its quality.json).
+    ``resume``: skip the seeds whose raw log already holds these finished runs
+    (:func:`finished_seed`), e.g. after an interrupted study.
     """
     t0 = time.perf_counter()
     raw = out / "raw"
@@ -556,7 +582,14 @@ def run_study(
         run = {k: old[k] for k in ("command", "date", "machine", "wall_seconds")}
         study = old["study"]
     else:
-        jobs = [(s, list(names), study, str(raw), progress) for s in study["seeds"]]
+        todo = [
+            s
+            for s in study["seeds"]
+            if not (resume and finished_seed(raw / f"seed{s}.json", s, names, study))
+        ]
+        if progress and len(todo) < len(study["seeds"]):
+            print(f"[quality] resuming: seeds {todo} to run", file=sys.stderr, flush=True)
+        jobs = [(s, list(names), study, str(raw), progress) for s in todo]
         if study["workers"] > 1 and len(jobs) > 1:
             # spawn: a fresh interpreter per worker, no forked torch thread pools.
             with mp.get_context("spawn").Pool(min(study["workers"], len(jobs))) as pool:
@@ -603,6 +636,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="rebuild quality.json / QUALITY.md / plots from --out's raw logs, train nothing",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the seeds whose raw log already holds these finished runs",
+    )
     args = p.parse_args(argv)
     study = dict(STUDIES["quick" if args.quick else "full"])
     for k in ("seeds", "steps", "workers"):
@@ -615,7 +653,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]]  # fmt: skip
     default_out = "benchmarks/results/quality" + ("_quick" if args.quick else "")
     out = Path(args.out or default_out)
-    res = run_study(study, names, out, progress=not args.no_progress, report_only=args.report_only)
+    res = run_study(
+        study,
+        names,
+        out,
+        progress=not args.no_progress,
+        report_only=args.report_only,
+        resume=args.resume,
+    )
     print((out / "QUALITY.md").read_text(encoding="utf-8").split("## Router calibration")[0])
     print(f"[quality] {res['wall_seconds']:.0f} s; outputs in {out}")
     return 0

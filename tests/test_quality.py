@@ -14,9 +14,11 @@ pytest.importorskip("matplotlib")
 from benchmarks.quality import (
     STUDIES,
     VARIANTS,
+    _run_seed_job,
     aggregate,
     auc,
     calibrate,
+    finished_seed,
     mean_std,
     run_seed,
     target_rows,
@@ -148,3 +150,19 @@ def test_quick_markdown_and_plots(quick_run: Path):
     for name in ("reward_vs_step.png", "reward_vs_wallclock.png", "cosine_vs_step.png"):
         data = (quick_run / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+def test_raw_logs_kept_and_resumable(tmp_path: Path):
+    """Each finished seed's raw log is written atomically and recognised by --resume; a
+    changed setting or a truncated file runs again."""
+    study = dict(STUDIES["quick"], steps=1, eval_every=1, probe_every=0)
+    names = ["exact", "jagg_W4"]
+    _run_seed_job((5, names, study, str(tmp_path), False))
+    raw = tmp_path / "seed5.json"
+    assert finished_seed(raw, 5, names, study)
+    assert not finished_seed(raw, 5, names, dict(study, steps=2))
+    assert not finished_seed(raw, 5, ["exact"], study)
+    assert not finished_seed(raw, 6, names, study)  # another seed's settings
+    raw.write_text(raw.read_text()[:100])
+    assert not finished_seed(raw, 5, names, study)
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
