@@ -39,31 +39,36 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def rollout(
-    model: torch.nn.Module, T: int, B: int, seed: int, noise_level: float = 0.7
+def sde_rollout(
+    model: Any,
+    cond: dict[str, torch.Tensor],
+    shape: tuple[int, ...],
+    T: int,
+    gen: torch.Generator,
+    noise_level: float = 0.7,
 ) -> dict[str, torch.Tensor]:
-    """One SDE rollout: latents (T, B, 1, 8, 8), sigmas (T + 1,), labels (B,), next states,
-    and the upstream gradients g (T, B, 1, 8, 8) of the GRPO loss with random advantages."""
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (B,), generator=gen)
+    """One SDE rollout of any velocity model ``model(z, t, **cond)`` from x ~ N(0, I) of
+    ``shape`` (B, *S): latents (T, B, *S), sigmas (T + 1,) and the upstream gradients g
+    (T, B, *S) of the on-policy GRPO surrogate with random advantages (noise, then the
+    advantages, drawn from ``gen``)."""
+    B = shape[0]
     sig = torch.linspace(1.0, 0.0, T + 1, dtype=torch.float64)
-    x = torch.randn(B, 1, 8, 8, generator=gen)
-    lat, nxt = [], []
+    x = torch.randn(shape, generator=gen)
+    lat, nxt, vel = [], [], []
     with torch.no_grad():
         for k in range(T):
-            v = model(x, torch.full((B,), float(sig[k])), labels=labels)
+            v = model(x, torch.full((B,), float(sig[k])), **cond)
             x_next, _, _, _ = sde_step_with_logprob(
                 v, x, float(sig[k]), float(sig[k + 1]), noise_level=noise_level, generator=gen
             )
             lat.append(x)
+            vel.append(v.float())
             nxt.append(x_next.float())
             x = x_next.float()
     adv = torch.randn(B, generator=gen)
     grads = []
     for k in range(T):
-        with torch.no_grad():
-            v = model(lat[k], torch.full((B,), float(sig[k])), labels=labels)
-        v = v.detach().requires_grad_(True)
+        v = vel[k].detach().requires_grad_(True)
         _, logp, _, _ = sde_step_with_logprob(
             v,
             lat[k],
@@ -78,9 +83,21 @@ def rollout(
     return {
         "latents": torch.stack(lat),
         "sigmas": sig,
-        "labels": labels,
+        "velocities": torch.stack(vel),
         "grads": torch.stack(grads),
     }
+
+
+def rollout(
+    model: torch.nn.Module, T: int, B: int, seed: int, noise_level: float = 0.7
+) -> dict[str, torch.Tensor]:
+    """One SDE rollout of the digits DiT with random labels (see :func:`sde_rollout`):
+    latents (T, B, 1, 8, 8), sigmas (T + 1,), labels (B,), velocities and upstream g."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (B,), generator=gen)
+    ro = sde_rollout(model, {"labels": labels}, (B, 1, 8, 8), T, gen, noise_level)
+    ro["labels"] = labels
+    return ro
 
 
 def per_step_grads(

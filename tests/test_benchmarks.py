@@ -61,3 +61,28 @@ def test_markdown_and_plots(tiny_run: Path) -> None:
         data = (tiny_run / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 1000, name
         assert name in md
+
+
+@pytest.fixture(scope="module")
+def floor_run(run_benchmark) -> Path:
+    return run_benchmark("benchmarks.floor", "--tiny")
+
+
+def test_floor_benchmark_writes_its_tables(floor_run: Path) -> None:
+    res = json.loads((floor_run / "floor.json").read_text())
+    variants = {"per_step", "eager", "deferred", "values_deferred", "values_deferred_adaptive"}
+    for rec in res["time"]:
+        assert set(rec["ratio_to_per_step"]) == variants
+        assert rec["ratio_to_per_step"]["per_step"] == 1.0
+        assert all(t > 0 for t in rec["median_s"].values())
+    for rec in res["memory"]:
+        rat = rec["ratio_to_per_step"]
+        # Not timing: saved bytes are deterministic.  Deferred holds one chunk at a time.
+        assert rat["eager"] > 1.15 and max(rat[v] for v in variants - {"eager"}) <= 1.15
+    for rec in res["planner"]:
+        assert 0 < rec["planner_s"] < rec["step_s"]
+    fid = res["fidelity"]["digits"]
+    for key in ("prefix9", "all10"):
+        assert all(-1.0 <= c <= 1.0 for c in fid[key].values())
+    md = (floor_run / "FLOOR.md").read_text()
+    assert md.startswith("## JAGG at its floor") and "| 9-step prefix of 10 |" in md

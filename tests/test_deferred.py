@@ -574,3 +574,42 @@ def test_gradient_fidelity_compares_layouts_and_budgets():
     with pytest.raises(ValueError, match="values"):
         gradient_fidelity(counting, lat, t, up, window=4, values=vals[:-1], deferred=True)
     assert counting.calls == []
+
+
+class _HalfOut(torch.nn.Module):
+    """float32 parameters, float16 velocities (as under autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(16)
+        self.A = torch.nn.Parameter(0.1 * torch.randn(3, 3, generator=g))
+        self.u = torch.nn.Parameter(torch.randn(3, generator=g))
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(z.float() @ self.A) + t.float().view(-1, 1, 1) * self.u
+        return out.half()
+
+
+def test_fp16_composite_overflow_is_refused_eagerly_and_rescaled_when_deferred():
+    # Issue 14 item 3: W = 8 per-step upstream gradients of 2e4 sum to more than 65504.
+    model = _HalfOut()
+    T, B = 8, 2
+    lat = torch.randn(T, B, 2, 3).half()
+    t = torch.linspace(1.0, 0.1, T).half()
+    up = torch.full((T, B, 2, 3), 2e4).half()
+    ps = list(model.parameters())
+    exact = torch.autograd.grad(
+        (jagg_trajectory(model, lat, t, window=8, mode="exact").float() * up.float()).sum(), ps
+    )
+    assert all(bool(torch.isfinite(g).all()) for g in exact)
+    with pytest.raises(RuntimeError, match="float16 overflow"):
+        v = jagg_trajectory(model, lat, t, window=8)
+        torch.autograd.grad(v, ps, up)
+    v = jagg_trajectory(model, lat, t, window=8, deferred=True)
+    got = torch.autograd.grad(v, ps, up)
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    # Equal to the same JAGG gradient computed with the upstream scaled into range.
+    v = jagg_trajectory(model, lat, t, window=8)
+    small = torch.autograd.grad(v, ps, (up.float() / 1024).half())
+    for a, b in zip(got, small):
+        torch.testing.assert_close(a, 1024 * b, rtol=2e-3, atol=1e-3)

@@ -470,6 +470,14 @@ def _fsdp_program(rank: int, world: int, data: dict[str, torch.Tensor]) -> dict[
         m = fresh()
         fn(m, d, None).backward()
         out[kind] = full_grads(m)
+    # Issue 14 item 12: with a router the ranks route differently (rank 0 recomputes a
+    # sample, rank 1 none); padded recomputation calls keep FSDP2's collectives paired.
+    for kind, fn in (("window", loss_window), ("trajectory", loss_trajectory)):
+        m = fresh()
+        t0 = time.monotonic()
+        fn(m, d, CosineRouter(threshold=THRESHOLD)).backward()
+        out[f"router_{kind}_s"] = time.monotonic() - t0
+        out[f"router_{kind}"] = full_grads(m)
 
     # Reduce-scatter rounds per step with and without accumulate_windows.
     real = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
@@ -640,6 +648,18 @@ def test_fsdp2_gradients_equal_union_single_process(fsdp_results, data, kind):
     print(f"FIGURE fsdp2 {kind} rel err per rank:", [rel(r[kind], ref) for r in fsdp_results])
     for r in fsdp_results:
         assert rel(r[kind], ref) < 1e-6, rel(r[kind], ref)
+
+
+@pytest.mark.parametrize("kind", ["window", "trajectory"])
+def test_fsdp2_with_router_routing_differently_per_rank(fsdp_results, ddp_results, data, kind):
+    # Rank 0 routes a sample to the exact gradient, rank 1 routes none (checked by
+    # test_routing_is_mixed_and_asymmetric): before the padding this deadlocked.
+    ref = reference_grads(kind, data)
+    errs = [rel(r[f"router_{kind}"], ref) for r in fsdp_results]
+    print(f"FIGURE fsdp2 + router {kind} rel err per rank:", errs,
+          "seconds:", [r[f"router_{kind}_s"] for r in fsdp_results])
+    assert max(errs) < 1e-6
+    assert all(r[f"router_{kind}_s"] < 30 for r in fsdp_results)
 
 
 def test_fsdp2_accumulate_windows(fsdp_results, data):

@@ -20,6 +20,7 @@ Function's inputs, so they reach ``.grad`` through autograd like any op's.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -169,8 +170,16 @@ def run_deferred_backward(
         plan = spec.plan
     plan_s = time.perf_counter() - t0
     n_rows = plan.n_rows
+    # float16: fold in float32, so a composite (a sum of up to W per-step gradients) that
+    # leaves float16's range stays finite; each chunk is rescaled before its backward.
+    g_in = grad.reshape(T, B, -1)
     g_rows = mix_slots(
-        grad.reshape(T, B, -1), plan.w_cur, plan.w_nxt, plan.slots, n_rows, spec.backend
+        g_in.float() if g_in.dtype == torch.float16 else g_in,
+        plan.w_cur,
+        plan.w_nxt,
+        plan.slots,
+        n_rows,
+        spec.backend,
     )
     # Rows of whole steps first (the uniform plan), then the pairs: one (k, b) list.
     ks, bs = _pairs_in_row_order(plan, B)
@@ -189,14 +198,16 @@ def run_deferred_backward(
             continue
         calls += 1
         samples += hi - lo
+        up = g_rows[lo:hi].view_as(v)
+        scale = overflow_scale(up, v.dtype)
         with _hooks_suspended(targets):
-            gs = torch.autograd.grad(
-                v, targets, g_rows[lo:hi].view_as(v).to(v.dtype), allow_unused=True
-            )
+            gs = torch.autograd.grad(v, targets, (up / scale).to(v.dtype), allow_unused=True)
         del v
         for i, gi in enumerate(gs):
             if gi is None:
                 continue
+            if scale != 1.0:
+                gi = gi * scale
             acc[i] = gi if acc[i] is None else acc[i].add_(gi)
     if spec.check_values and bool(worst > spec.tol):
         raise RuntimeError(
@@ -213,6 +224,23 @@ def run_deferred_backward(
         st.anchors[:] = plan.anchor_mask.any(1).nonzero().flatten().tolist()
         st.plan_seconds = plan_s
     return acc
+
+
+def overflow_scale(up: torch.Tensor, dtype: torch.dtype) -> float:
+    """A power of two s with up / s inside ``dtype``'s range (1.0 when it already is).
+
+    Only float16 can overflow here (bfloat16 and float32 share float32's exponent range):
+    a composite gradient sums up to W per-step gradients, so it can leave float16's range
+    although each of them is representable.  Back-propagating up / s and multiplying the
+    parameter gradients by s is exact up to rounding (s is a power of two).
+    """
+    if dtype != torch.float16 or up.dtype == torch.float16:
+        return 1.0
+    m = float(up.detach().abs().amax()) if up.numel() else 0.0
+    limit = torch.finfo(torch.float16).max / 4  # headroom for the backward's own sums
+    if not m > limit or not math.isfinite(m):
+        return 1.0  # in range, or already inf/NaN upstream (a GradScaler's business)
+    return float(2.0 ** math.ceil(math.log2(m / limit)))
 
 
 @contextlib.contextmanager

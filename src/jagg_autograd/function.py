@@ -37,11 +37,14 @@ class JaggFunction(torch.autograd.Function):
         w_cur: torch.Tensor,
         w_nxt: torch.Tensor,
         slots: torch.Tensor,
+        n_rows: int,
         backend: str,
     ) -> torch.Tensor:
         ctx.save_for_backward(w_cur, w_nxt, slots)
         ctx.backend = backend
         ctx.rows_shape = grad_v.shape
+        # Rows past the plan's n_rows are padding calls (collective FSDP routing).
+        ctx.n_plan_rows = n_rows
         # The values were produced under no_grad for this very output: handing the same
         # storage back (marked dirty) avoids a copy of all T * B velocities.
         ctx.mark_dirty(values)
@@ -52,6 +55,25 @@ class JaggFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         w_cur, w_nxt, slots = ctx.saved_tensors
         T, B = grad.shape[:2]
-        n_rows = ctx.rows_shape[0]
+        n_rows = ctx.n_plan_rows
         g_rows = mix_slots(grad.reshape(T, B, -1), w_cur, w_nxt, slots, n_rows, ctx.backend)
-        return g_rows.view(ctx.rows_shape), None, None, None, None, None
+        if ctx.rows_shape[0] > n_rows:  # padding calls (collective FSDP): zero gradient
+            pad = g_rows.new_zeros((ctx.rows_shape[0] - n_rows, g_rows.shape[1]))
+            g_rows = torch.cat([g_rows, pad])
+        if g_rows.dtype == torch.float16:
+            _check_fp16_composite(grad, g_rows)
+        return g_rows.view(ctx.rows_shape), None, None, None, None, None, None
+
+
+def _check_fp16_composite(grad: torch.Tensor, g_rows: torch.Tensor) -> None:
+    """A composite sums up to W per-step gradients: in float16 it can overflow although
+    every one of them is finite.  The eager path hands the composite to the anchors' graph
+    in the velocities' dtype, so it cannot rescale it: refuse rather than return inf/NaN
+    (inf already upstream is left alone, for a GradScaler to see and skip)."""
+    if bool(torch.isinf(g_rows).any()) and bool(torch.isfinite(grad).all()):
+        raise RuntimeError(
+            "float16 overflow in JAGG's composite gradient: the per-step gradients are "
+            "finite but their t-weighted sum onto an anchor exceeds float16's range. Use "
+            "deferred=True (it rescales each anchor chunk), bfloat16, a smaller window, or a "
+            "lower loss scale (GradScaler init_scale)"
+        )

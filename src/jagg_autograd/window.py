@@ -711,10 +711,16 @@ def _jagg_core(
     exact = routed_of(scores)
     plan = make_plan(uniform_mask(T, B, anchors, windows, exact, device), t64, anchors)
     rows = [anchor_v]
-    if plan.pair_k.numel() > 0:
-        rows.append(_run_pairs_grad(caller, plan.pair_k, plan.pair_b, batching, chunk_size))
+    if plan.pair_k.numel() > 0 or _collective(model):
+        extra = _run_pairs_grad(
+            caller, plan.pair_k, plan.pair_b, batching, chunk_size, _collective(model)
+        )
+        if extra is not None:
+            rows.append(extra)
     grad_v = torch.cat(rows) if len(rows) > 1 else anchor_v
-    out = JaggFunction.apply(grad_v, vals, plan.w_cur, plan.w_nxt, plan.slots, backend)
+    out = JaggFunction.apply(
+        grad_v, vals, plan.w_cur, plan.w_nxt, plan.slots, plan.n_rows, backend
+    )
     stats = new_stats(scores, exact, plan.anchor_mask) if return_stats else None
     return out if stats is None else (out, stats)
 
@@ -742,18 +748,59 @@ def _compare_values(
         raise _stale_error(worst, limit)
 
 
+def _collective(model: object) -> bool:
+    """FSDP in a multi-rank group: every rank must make the same sequence of model calls
+    (each call all-gathers parameters, each backward through it reduce-scatters)."""
+    import torch.distributed as dist
+
+    from jagg_autograd.distributed import _is_fsdp1, _is_fsdp2
+
+    return (
+        (_is_fsdp2(model) or _is_fsdp1(model))
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
 def _run_pairs_grad(
-    caller: _Caller, ks: torch.Tensor, bs: torch.Tensor, batching: str, chunk_size: int | None
-) -> torch.Tensor:
-    """With-grad recomputation of the routed-out (step, sample) pairs, step-major."""
+    caller: _Caller,
+    ks: torch.Tensor,
+    bs: torch.Tensor,
+    batching: str,
+    chunk_size: int | None,
+    collective: bool = False,
+) -> torch.Tensor | None:
+    """With-grad recomputation of the routed-out (step, sample) pairs, step-major.
+
+    ``collective``: the ranks route differently but must call the model equally often
+    (FSDP).  They agree on the largest number of calls with one all-reduce, and a rank
+    with fewer pads with one-sample calls of pair (0, 0) whose rows come after the real
+    ones and get a zero gradient (``JaggFunction`` gives rows past the plan's none).
+    """
     n = ks.numel()
     if batching == "per_step":
-        bounds = torch.nonzero(ks[1:] != ks[:-1]).flatten().add(1).tolist()
-        cuts = [0, *bounds, n]
+        bounds = torch.nonzero(ks[1:] != ks[:-1]).flatten().add(1).tolist() if n else []
+        cuts = [0, *bounds, n] if n else [0]
     else:
-        per = n if chunk_size is None else chunk_size
-        cuts = [*range(0, n, per), n]
+        per = max(n, 1) if chunk_size is None else chunk_size
+        cuts = [*range(0, n, per), n] if n else [0]
+    n_calls = len(cuts) - 1
+    if collective:
+        import torch.distributed as dist
+
+        # Stacked without chunk_size: every rank pads to the largest pair count, so the
+        # call count (one) agrees; otherwise pad the count of calls.
+        agree = torch.tensor([n_calls], dtype=torch.long)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+        pad = int(agree) - n_calls
+    else:
+        pad = 0
     parts = [caller.pairs(ks[lo:hi], bs[lo:hi], True) for lo, hi in zip(cuts[:-1], cuts[1:])]
+    zero = torch.zeros(1, dtype=torch.long, device=ks.device)
+    parts += [caller.pairs(zero, zero, True) for _ in range(pad)]
+    if not parts:  # no rank routed anything
+        return None
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
