@@ -859,7 +859,8 @@ def jagg_window(
             a routed-out recomputation runs only the routed samples of a step).
         chunk_size: max samples per model call for the no-grad interior steps and the
             exact recomputation (the anchor call is never split; in mode="exact" it
-            bounds every call).
+            bounds every call).  With ``deferred=True`` it bounds the with-grad anchor
+            calls of the backward (None: B, one step's batch: the per-step loop's memory).
         return_stats: also return a :class:`JaggStats`.
         values: (W, B, *S) velocities of these latents at the CURRENT parameters (the
             rollout's, when no optimizer step happened since: on-policy minibatches).  No
