@@ -38,6 +38,7 @@ __all__ = [
     "STEP_SELECTIONS",
     "StepLogProbs",
     "Trajectories",
+    "draw_random_steps",
     "policy_log_probs",
     "reference_means",
     "sample_trajectories",
@@ -202,8 +203,16 @@ def select_steps(
         raise ValueError(f"num_train must be in [1, num_steps={num_steps}], got {num_train}")
     if selection == "prefix":
         return (0, num_train)
+    return draw_random_steps(num_steps, batch, num_train, generator).sort(dim=0).values
+
+
+def draw_random_steps(
+    num_steps: int, batch: int, num_train: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``(num_train, B)`` distinct random steps per sample, in draw order (DanceGRPO's
+    per-sample ``randperm``, truncated): one ``rand((B, T))`` from ``generator``."""
     ks = torch.argsort(torch.rand((batch, num_steps), generator=generator), dim=1)
-    return ks[:, :num_train].sort(dim=1).values.T.contiguous()
+    return ks[:, :num_train].T.contiguous()
 
 
 def _gather(

@@ -83,6 +83,7 @@ from jagg_autograd.grpo import (
 from jagg_autograd.rollout import (
     STEP_SELECTIONS,
     Trajectories,
+    draw_random_steps,
     policy_log_probs,
     reference_means,
     sample_trajectories,
@@ -573,8 +574,7 @@ def _subsample(
     T, B = traj.log_probs.shape
     if not 1 <= num <= T:
         raise ValueError(f"num must be in [1, T={T}], got {num}")
-    ks = torch.argsort(torch.rand((B, T), generator=generator), dim=1)[:, :num].T.contiguous()
-    ks = ks.to(traj.latents.device)
+    ks = draw_random_steps(T, B, num, generator).to(traj.latents.device)
     bs = torch.arange(B, device=ks.device).expand(num, B)
     z, nxt = traj.latents[ks, bs], traj.latents[ks + 1, bs]
     sig = traj.sigmas if traj.sigmas.dim() == 2 else traj.sigmas[:, None].expand(-1, B)

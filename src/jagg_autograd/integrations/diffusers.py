@@ -386,7 +386,10 @@ class SD3Velocity(_VelocityBase):
         transformer: a :class:`diffusers.SD3Transformer2DModel` (possibly LoRA-injected,
             compiled, or wrapped by peft).
         guidance_scale: CFG weight ``w``; None (or 1) disables CFG.
-        timestep_scale: multiplier from ``sigma`` to the transformer's ``timestep``.
+        timestep_scale: multiplier from ``sigma`` to the transformer's ``timestep``. With
+            the default 1000, ``t`` outside [0, 1] (e.g. a scheduler's ``timesteps``,
+            already 1000 * sigma) is a ``ValueError`` naming ``timestep_scale``; ``t`` is
+            read, never changed, so the call stays bit-identical to the raw transformer's.
         autocast_dtype: None, ``torch.bfloat16`` or ``torch.float16``.
         output_dtype: dtype of the returned velocity (default: ``z``'s dtype).
     """
