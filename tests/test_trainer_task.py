@@ -340,6 +340,9 @@ def test_bf16_autocast_runs_on_cpu():
     log = train(GRPOConfig(**TINY, precision="bf16"))
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log["steps"])
     assert log["config"]["precision"] == "bf16"
+    if _core():  # the anchors are recomputed in one step's batch, like the rollout's calls
+        r = train(GRPOConfig(**TINY, precision="bf16", reuse_values=True, deferred=True))
+        assert all(x["ratio_min"] == x["ratio_max"] == 1.0 for x in r["steps"][:1])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
