@@ -213,8 +213,9 @@ class GRPOConfig:
     """jagg_trajectory(deferred=True) on every minibatch: anchors run with grad in the
     backward, chunk by chunk (per-step-loop activation memory)."""
     placement: str = "uniform"
-    """Anchor placement: "uniform" (the window layout) or "adaptive" (needs ``deferred``;
-    mode="router" always uses "uniform")."""
+    """Anchor placement: "uniform" (the window layout) or "adaptive" (chosen in the
+    backward from the upstream gradients, so every minibatch runs deferred, on-policy with
+    values or off-policy without; mode="router" always uses "uniform")."""
     budget: float | None = None
     """placement="adaptive": mean anchors per sample (None: the uniform layout's count)."""
     chunk_size: int | None = None
@@ -413,11 +414,6 @@ class GRPOConfig:
             )
         if self.budget is not None and (not _is_real(self.budget) or self.budget <= 0):
             raise ValueError(f"budget must be None or a finite number > 0, got {self.budget!r}")
-        if self.placement == "adaptive" and not self.deferred and self.mode == "jagg":
-            raise ValueError(
-                'placement="adaptive" needs deferred=True (anchors chosen in the '
-                "backward, from the upstream gradients)"
-            )
         if self.chunk_size is not None and (not _is_int(self.chunk_size) or self.chunk_size < 1):
             raise ValueError(f"chunk_size must be None or an int >= 1, got {self.chunk_size!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -816,11 +812,12 @@ def _minibatch_loss(
     path = "exact" if mode in ("exact", "mixgrpo") else "eager"
     if mode in _JAGG_MODES:
         reuse = c.reuse_values and on_policy
-        if reuse or c.deferred:
+        adaptive = c.placement == "adaptive" and mode == "jagg"
+        if reuse or c.deferred or adaptive:
             # Values are only ever used with the deferred backward (no forward at all but the
             # anchors'); off-policy minibatches recompute every step.
             kw.update(deferred=True, params=tr.params)
-            if c.placement != "uniform" and mode == "jagg":
+            if adaptive:
                 kw["placement"] = c.placement
                 if c.budget is not None:
                     kw["budget"] = c.budget
