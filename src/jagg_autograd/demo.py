@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--placement",
         choices=PLACEMENTS,
         default=d.placement,
-        help="anchor placement (adaptive needs --deferred; router: always uniform)",
+        help="anchor placement (adaptive runs every minibatch deferred; router: uniform)",
     )
     g.add_argument(
         "--budget",
