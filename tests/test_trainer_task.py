@@ -495,3 +495,14 @@ def test_loss_mean_is_over_trained_steps():
     cfg = GRPOConfig(clip_range=10.0)
     loss, _ = _grpo_loss_mean(lp, lp.detach(), adv, cfg)
     torch.testing.assert_close(loss, -(adv.clamp(-5, 5)).mean())
+
+
+def test_a_failure_while_building_is_logged(tmp_path):
+    class Broken(ToyTask):
+        def trainable_parameters(self, tuning, lora_rank):
+            raise RuntimeError("no weights")
+
+    with pytest.raises(RuntimeError, match="no weights"):
+        GRPOTrainer(_toy(out=str(tmp_path)), task=Broken())
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["status"] == "failed" and "no weights" in log["error"] and log["steps"] == []

@@ -989,10 +989,25 @@ class GRPOTrainer:
             "summary": "",
             "out": str(self.out) if self.out is not None else None,
         }
+        self.device = _resolve_device(config.device)
+        self.step_index = 0
+        self.rollout_seconds = 0.0
+        self.train_seconds = 0.0
         self._prepare_out()  # before any model is built: a bad --out fails at once
+        try:
+            self._build(task_obj)
+            if config.eval_per_digit:
+                self._record_eval()
+        except BaseException as exc:  # the log on disk must not stay "running"
+            self.abort(exc)
+            raise
+        self._write()
+
+    def _build(self, task_obj: GRPOTask | None) -> None:
+        """The task, its model on the device, the optimizer, the reference, the schedule."""
+        config = self.config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.task = (task_obj or _resolve_task(config, config.task)).to(self.device)
@@ -1017,19 +1032,9 @@ class GRPOTrainer:
         self.sigmas = sigma_schedule(config)
         # Disjoint from the training noise stream.
         self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
-        self.step_index = 0
-        self.rollout_seconds = 0.0
-        self.train_seconds = 0.0
         self._mb = config.prompts_per_step * config.group_size // config.num_minibatches
         self.log["sigmas"] = [round(x, 6) for x in self.sigmas.tolist()]
         self.log["num_trainable_parameters"] = sum(p.numel() for p in self.params)
-        if config.eval_per_digit:
-            try:
-                self._record_eval()
-            except BaseException as exc:
-                self.abort(exc)
-                raise
-        self._write()
 
     # ------------------------------------------------------------------ files
 
