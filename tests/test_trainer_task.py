@@ -102,7 +102,10 @@ def test_trainer_does_not_import_digits():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_registry():
+def test_registry(monkeypatch):
+    import jagg_autograd.tasks as tasks
+
+    monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks._REGISTRY))  # restored afterwards
     assert {"digits", "shapes"} <= set(task_names())
     with pytest.raises(ValueError, match="task must be one of"):
         get_task("nope")
