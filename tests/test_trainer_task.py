@@ -326,6 +326,9 @@ def test_values_path_on_policy_ratio_one_and_forward_count():
     # round(budget * B) = 24 anchors on-policy; off-policy, clipped ratios have zero upstream
     # gradient and their steps need no anchor
     assert 0 < r4["grad_samples"] <= 2 * 3 * 8
+    # the gradient probe measures the same estimator (values from the probe's own rollout)
+    pr = train(GRPOConfig(**dict(kw, num_steps=6, window=3), probe_every=1))["steps"][0]
+    assert 0.5 < pr["probe_cosine"] <= 1.0
 
 
 def test_core_options_validated():
