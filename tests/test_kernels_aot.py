@@ -29,7 +29,7 @@ from jagg_autograd.kernels.jagg_mix import _jagg_mix_kernel
 def sig_mix(dt, ix):
     return {"g_ptr": "*" + dt, "w_cur_ptr": "*fp32", "w_nxt_ptr": "*fp32",
             "slot_ptr": "*i32", "out_ptr": "*" + dt, "T": "i32", "B": "i32", "N": ix,
-            "n_anchors": "i32", "stride_gt": ix, "stride_gb": ix, "stride_gn": ix,
+            "stride_gt": ix, "stride_gb": ix, "stride_gn": ix,
             "BLOCK_N": "constexpr"}
 
 def sig_route(dt, ix):
