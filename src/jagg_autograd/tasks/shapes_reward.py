@@ -11,7 +11,8 @@
    triangle = apex-up inscribed triangle) drawn in the component's bounding box that has the
    largest IoU with the component (geometric template matching: exact on clean renders,
    where a small CNN would only approximate it);
-4. its position is the component's centroid.
+4. its position is the centre of the component's bounding box (as GenEval positions
+   detector boxes; a triangle's centroid would sit below its box centre).
 
 **Score** (:func:`score_detections`): a prompt is a conjunction of clauses, each true or false:
 
@@ -62,8 +63,8 @@ _FOUR_CONNECTED = np.array([[0, 1, 0], [1, 1, 1], [0, 1, 0]], dtype=bool)
 
 @dataclass(frozen=True)
 class Detection:
-    """One detected object: shape, colour, centroid ``(cx, cy)`` in pixels, area, and the
-    IoU of the best shape template (a confidence)."""
+    """One detected object: shape, colour, bounding-box centre ``(cx, cy)`` in pixels, area,
+    and the IoU of the best shape template (a confidence)."""
 
     shape: str
     color: str
@@ -127,7 +128,6 @@ def detect_objects(image: torch.Tensor | np.ndarray) -> list[Detection]:
             area = int(comp.sum())
             if area < MIN_AREA:
                 continue
-            ys, xs = np.nonzero(comp)
             best, best_iou = SHAPES[0], -1.0
             for shape, tmpl in _templates(*comp.shape).items():
                 inter = np.logical_and(comp, tmpl).sum()
@@ -139,8 +139,8 @@ def detect_objects(image: torch.Tensor | np.ndarray) -> list[Detection]:
                 Detection(
                     shape=best,
                     color=cname,
-                    cx=float(xs.mean() + sl[1].start),
-                    cy=float(ys.mean() + sl[0].start),
+                    cx=(sl[1].start + sl[1].stop - 1) / 2.0,
+                    cy=(sl[0].start + sl[0].stop - 1) / 2.0,
                     area=area,
                     iou=best_iou,
                 )
