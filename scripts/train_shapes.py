@@ -193,22 +193,9 @@ def train(
     return ema, info
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out-dir", type=Path, default=ASSETS_DIR)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 = bit-reproducible)")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
-    p.add_argument("--eval-every", type=int, default=0, help="progress evaluations (0: off)")
-    args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
-    settings = {k: getattr(args, k) for k in DEFAULTS}
-    t_start = time.time()
-
-    model, info = train(settings, eval_every=args.eval_every)
+def run_evals(model: ShapesModel, settings: dict[str, Any]) -> dict[str, Any]:
+    """The meta file's evaluations: held-out at every CFG scale with the ODE and the SDE
+    sampler, the training split with the SDE, and the pure-noise reference."""
     # Reference: the same evaluation set scored on its pure-noise initial latents.
     ev_prompts = eval_prompt_set(settings["eval_per_category"], "heldout")
     noise = torch.randn(
@@ -217,20 +204,70 @@ def main(argv: list[str] | None = None) -> int:
     r_noise = shapes_reward(noise, ev_prompts)
     noise_eval = {"mean_reward": float(r_noise.mean()), "samples": len(ev_prompts)}
     print(f"[eval] pure noise: mean {noise_eval['mean_reward']:.4f}", flush=True)
-    evals = []
+    evals, evals_train = [], []
     for w in GUIDANCE_SCALES:
         for eta in (0.0, EVAL_NOISE_LEVEL):
             ev = evaluate(model, settings, w, eta)
             evals.append(ev)
             print(
-                f"[eval] cfg {w} eta {eta}: mean {ev['mean_reward']:.3f} per category "
+                f"[eval] held-out cfg {w} eta {eta}: mean {ev['mean_reward']:.3f} per category "
                 f"{ev['per_category']}",
                 flush=True,
             )
+        ev = evaluate(model, settings, w, EVAL_NOISE_LEVEL, split="train")
+        evals_train.append(ev)
+        print(
+            f"[eval] train cfg {w} eta {EVAL_NOISE_LEVEL}: mean {ev['mean_reward']:.3f} per "
+            f"category {ev['per_category']}",
+            flush=True,
+        )
+    return {
+        "eval_heldout": evals,
+        "eval_train": evals_train,
+        "eval_heldout_pure_noise": noise_eval,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=ASSETS_DIR)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 = bit-reproducible)")
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
+    p.add_argument("--eval-every", type=int, default=0, help="progress evaluations (0: off)")
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="no training: re-run the evaluations of the model in --out-dir, update its meta",
+    )
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    out: Path = args.out_dir
+    t_start = time.time()
+
+    if args.eval_only:
+        from jagg_autograd.models.shapes import load_shapes_model
+
+        meta_path = out / "shapes_meta.json"
+        with open(meta_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+        model = load_shapes_model(weights=out / "shapes_model.safetensors", meta=meta_path)
+        meta.update(run_evals(model, meta["settings"]))
+        with open(meta_path, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2)
+            fh.write("\n")
+        print(f"updated {meta_path} in {time.time() - t_start:.0f}s", flush=True)
+        return 0
+
+    settings = {k: getattr(args, k) for k in DEFAULTS}
+    model, info = train(settings, eval_every=args.eval_every)
+    evals = run_evals(model, settings)
 
     from safetensors.torch import save_file
 
-    out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "shapes_model.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
@@ -243,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "settings": settings,
         "model": {**info, "weights_bytes": weights.stat().st_size},
-        "eval_heldout": evals,
-        "eval_heldout_pure_noise": noise_eval,
+        **evals,
         "environment": {
             "torch": torch.__version__,
             "python": platform.python_version(),
