@@ -13,7 +13,8 @@
 # 3. the deferred path on the same preset (python -m benchmarks.floor --gpu): training-phase
 #    time of values + deferred (uniform / adaptive) and of eager JAGG vs the per-step loop,
 #    and peak CUDA memory above the model's vs the per-step loop; the per-sample anchor
-#    kernel is in the compiled kernel tests of step 1.
+#    kernel is in the compiled kernel tests of step 1;
+# 4. the demo trainer on CUDA, bf16 autocast, values + deferred (3 steps).
 # Results: $OUT_DIR/gpu_kernels.json, $OUT_DIR/gpu/results.json (+ RESULTS.md, PNGs),
 # $OUT_DIR/pytest_aot.txt and $OUT_DIR/gpu_check.json (summary, exit codes).
 # Note: tests/test_kernels.py builds CPU tensors, so on CUDA its kernels only run
@@ -49,6 +50,11 @@ PY
   timeout 180 python -m benchmarks.floor --gpu --device cuda --no-progress \
       --out "$OUT_DIR/floor" > "$OUT_DIR/floor_run.txt" 2>&1
   rc_floor=$?
+  # The trainer on CUDA in bf16 autocast through the deferred on-policy path.
+  timeout 180 python -m jagg_autograd.demo --device cuda --precision bf16 --steps 3 \
+      --eval-per-digit 2 --reuse-values --deferred --no-progress \
+      --out "$OUT_DIR/demo_cuda" > "$OUT_DIR/demo_cuda.txt" 2>&1
+  rc_demo=$?
 else
   export TRITON_INTERPRET=1
   rc_aot=0
@@ -63,13 +69,18 @@ else
   timeout 300 python -m benchmarks.floor --tiny --no-progress \
       --out "$OUT_DIR/floor" > "$OUT_DIR/floor_run.txt" 2>&1
   rc_floor=$?
+  timeout 300 python -m jagg_autograd.demo --device cpu --precision bf16 --steps 2 \
+      --eval-per-digit 1 --reuse-values --deferred --no-progress \
+      --out "$OUT_DIR/demo_cuda" > "$OUT_DIR/demo_cuda.txt" 2>&1
+  rc_demo=$?
 fi
+tail -n 3 "$OUT_DIR/demo_cuda.txt" || true
 cat "$OUT_DIR/floor/FLOOR.md" 2>/dev/null | head -n 20 || true
 tail -n 8 "$OUT_DIR/gpu_run.txt" || true
 end=$(date +%s)
 cat > "$OUT_DIR/gpu_check.json" <<JSON
 {"mode": "$MODE", "rc_test_kernels_aot": $rc_aot, "rc_gpu_kernels": $rc_kern,
- "rc_gpu_preset_timing": $rc_run, "rc_floor": $rc_floor, "wall_s": $((end - start))}
+ "rc_gpu_preset_timing": $rc_run, "rc_floor": $rc_floor, "rc_demo": $rc_demo, "wall_s": $((end - start))}
 JSON
 cat "$OUT_DIR/gpu_check.json"
-[[ $rc_aot -eq 0 && $rc_kern -eq 0 && $rc_run -eq 0 && $rc_floor -eq 0 ]]
+[[ $rc_aot -eq 0 && $rc_kern -eq 0 && $rc_run -eq 0 && $rc_floor -eq 0 && $rc_demo -eq 0 ]]
