@@ -109,3 +109,27 @@ def test_reward_errors():
         shapes_reward(x, ["a photo of a circle", "a cat"])
     with pytest.raises(TypeError):
         detect_objects([[0.0]])
+
+
+def test_object_first_colour_vote_and_unknowns():
+    from jagg_autograd.tasks.shapes_reward import UNKNOWN
+
+    img = render_objects([SceneObject("circle", "red", 10, 10, 5)]).copy()
+    img[8:11, 9:12] = COLORS["magenta"]  # 9 off-colour pixels inside the circle
+    det = detect_objects(_to_tensor(img))
+    assert [(d.shape, d.color) for d in det] == [("circle", "red")]
+    # a half-red, half-green blob has no colour a clause can match
+    img = render_objects([SceneObject("square", "red", 10, 10, 5)]).copy()
+    img[5:16, 10:16] = COLORS["green"]
+    (d,) = detect_objects(_to_tensor(img))
+    assert d.shape == "square" and d.color in ("green", UNKNOWN)
+    img[5:16, 11:16] = COLORS["green"]
+    img[5:16, 5:10] = COLORS["red"]
+    img[5:16, 10] = COLORS["blue"]
+    (d,) = detect_objects(_to_tensor(img))
+    assert d.color == UNKNOWN
+    # pure noise forms one big component: an unknown object, matching no shape clause
+    noise = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(1))
+    big = [d for d in detect_objects(noise) if d.area > 200]
+    assert big and all(d.shape == UNKNOWN for d in big)
+    assert score_detections("a photo of a square", detect_objects(noise)) < 0.5

@@ -1,18 +1,22 @@
 """The programmatic GenEval-style reward of the shapes task.
 
-**Detection** (:func:`detect_objects`), on a picture ``(3, 32, 32)`` in ``[-1, 1]``:
+**Detection** (:func:`detect_objects`), on a picture ``(3, 32, 32)`` in ``[-1, 1]``, object
+first and then its attributes, as GenEval detects objects and then classifies their colour:
 
 1. a pixel is foreground when its brightest channel is at least half-way up
-   (``max_c p_c >= 0.5`` on ``[0, 1]``), and then takes the nearest palette colour
-   (:data:`~jagg_autograd.tasks.shapes_scenes.COLORS`, Euclidean in RGB);
-2. each colour's foreground splits into 4-connected components (``scipy.ndimage.label``);
-   components smaller than :data:`MIN_AREA` pixels are specks, not objects;
-3. each object's shape is the template (circle = inscribed ellipse, square = its box,
-   triangle = apex-up inscribed triangle) drawn in the component's bounding box that has the
-   largest IoU with the component (geometric template matching: exact on clean renders,
-   where a small CNN would only approximate it);
-4. its position is the centre of the component's bounding box (as GenEval positions
-   detector boxes; a triangle's centroid would sit below its box centre).
+   (``max_c p_c >= 0.5`` on ``[0, 1]``);
+2. the foreground's 4-connected components (``scipy.ndimage.label``) of at least
+   :data:`MIN_AREA` pixels are the objects (smaller ones are specks);
+3. an object's colour is the palette colour
+   (:data:`~jagg_autograd.tasks.shapes_scenes.COLORS`, nearest in RGB) of the majority of its
+   pixels, ``"unknown"`` without a majority;
+4. its shape is the template (circle = inscribed ellipse, square = its box, triangle =
+   apex-up inscribed triangle) drawn in the object's bounding box with the largest IoU with
+   the object (geometric template matching: exact on clean renders, where a small CNN would
+   only approximate it); ``"unknown"`` below :data:`MIN_IOU` or for a box larger than any
+   object (pure noise forms one such component);
+5. its position is the centre of its bounding box (GenEval positions detector boxes too; a
+   triangle's centroid would sit below its box centre).
 
 **Score** (:func:`score_detections`): a prompt is a conjunction of clauses, each true or false:
 
@@ -39,7 +43,7 @@ import torch
 from jagg_autograd.tasks.shapes_scenes import (
     COLORS,
     IMAGE_SIZE,
-    SHAPES,
+    SIZES,
     PromptSpec,
     parse_prompt,
     relation_holds,
@@ -47,6 +51,8 @@ from jagg_autograd.tasks.shapes_scenes import (
 
 __all__ = [
     "MIN_AREA",
+    "MIN_IOU",
+    "UNKNOWN",
     "Detection",
     "clause_results",
     "detect_objects",
@@ -55,6 +61,12 @@ __all__ = [
 ]
 
 MIN_AREA = 12
+#: A component whose best shape template overlaps it less than this is no known shape.
+MIN_IOU = 0.5
+#: Label of an object whose shape or colour the checker cannot name.
+UNKNOWN = "unknown"
+# Largest object box (13 px) plus slack for a generator's blurry edges.
+_MAX_SIDE = 2 * max(SIZES) + 1 + 4
 _FG_THRESHOLD = 0.5
 _COLOR_NAMES = tuple(COLORS)
 _PALETTE = np.array([COLORS[c] for c in _COLOR_NAMES], dtype=np.float64) / 255.0  # (6, 3)
@@ -103,10 +115,28 @@ def _as_hwc01(image: object) -> np.ndarray:
     return np.clip((arr.transpose(1, 2, 0) + 1.0) / 2.0, 0.0, 1.0)
 
 
+def _classify_shape(comp: np.ndarray) -> tuple[str, float]:
+    """Best template and its IoU for a component mask cropped to its bounding box."""
+    best, best_iou = UNKNOWN, -1.0
+    for shape, tmpl in _templates(*comp.shape).items():
+        inter = np.logical_and(comp, tmpl).sum()
+        union = np.logical_or(comp, tmpl).sum()
+        iou = float(inter / union) if union else 0.0
+        if iou > best_iou:
+            best, best_iou = shape, iou
+    return best, best_iou
+
+
 def detect_objects(image: torch.Tensor | np.ndarray) -> list[Detection]:
     """The objects in one picture ``(3, 32, 32)`` in ``[-1, 1]`` (NaN counts as background).
 
-    Returns the detections sorted by colour, then by scan order of their components.
+    Object first, then its attributes (as GenEval detects, then classifies colour): the
+    foreground's 4-connected components of at least :data:`MIN_AREA` pixels are the objects;
+    each takes the palette colour most of its pixels are nearest to (``"unknown"`` when no
+    colour has half of them) and the best-matching shape template (``"unknown"`` when the
+    best IoU is below :data:`MIN_IOU` or the box is larger than any object can be, e.g. the
+    one big component that pure noise forms).  Unknown objects match no clause but count
+    towards the total.  Returns the detections in scan order of their components.
     """
     from scipy import ndimage
 
@@ -114,37 +144,30 @@ def detect_objects(image: torch.Tensor | np.ndarray) -> list[Detection]:
     fg = p.max(axis=-1) >= _FG_THRESHOLD
     dist = ((p[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1)  # (H, W, 6)
     color_idx = dist.argmin(-1)
+    labels, n = ndimage.label(fg, structure=_FOUR_CONNECTED)
     out: list[Detection] = []
-    for ci, cname in enumerate(_COLOR_NAMES):
-        mask = fg & (color_idx == ci)
-        if mask.sum() < MIN_AREA:
+    if n == 0:
+        return out
+    for k, sl in enumerate(ndimage.find_objects(labels), start=1):
+        comp = labels[sl] == k
+        area = int(comp.sum())
+        if area < MIN_AREA:
             continue
-        labels, n = ndimage.label(mask, structure=_FOUR_CONNECTED)
-        if n == 0:
-            continue
-        slices = ndimage.find_objects(labels)
-        for k, sl in enumerate(slices, start=1):
-            comp = labels[sl] == k
-            area = int(comp.sum())
-            if area < MIN_AREA:
-                continue
-            best, best_iou = SHAPES[0], -1.0
-            for shape, tmpl in _templates(*comp.shape).items():
-                inter = np.logical_and(comp, tmpl).sum()
-                union = np.logical_or(comp, tmpl).sum()
-                iou = float(inter / union) if union else 0.0
-                if iou > best_iou:
-                    best, best_iou = shape, iou
-            out.append(
-                Detection(
-                    shape=best,
-                    color=cname,
-                    cx=(sl[1].start + sl[1].stop - 1) / 2.0,
-                    cy=(sl[0].start + sl[0].stop - 1) / 2.0,
-                    area=area,
-                    iou=best_iou,
-                )
+        votes = np.bincount(color_idx[sl][comp], minlength=len(_COLOR_NAMES))
+        color = _COLOR_NAMES[int(votes.argmax())] if 2 * votes.max() >= area else UNKNOWN
+        shape, iou = _classify_shape(comp)
+        if iou < MIN_IOU or max(comp.shape) > _MAX_SIDE:
+            shape = UNKNOWN
+        out.append(
+            Detection(
+                shape=shape,
+                color=color,
+                cx=(sl[1].start + sl[1].stop - 1) / 2.0,
+                cy=(sl[0].start + sl[0].stop - 1) / 2.0,
+                area=area,
+                iou=iou,
             )
+        )
     return out
 
 
