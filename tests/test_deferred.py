@@ -613,3 +613,94 @@ def test_fp16_composite_overflow_is_refused_eagerly_and_rescaled_when_deferred()
     small = torch.autograd.grad(v, ps, (up.float() / 1024).half())
     for a, b in zip(got, small):
         torch.testing.assert_close(a, 1024 * b, rtol=2e-3, atol=1e-3)
+
+
+class _CondNet(torch.nn.Module):
+    """v = tanh(z W + t u) * (1 + c) with a conditioning c the caller builds from params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(17)
+        self.W = torch.nn.Parameter(0.5 * torch.randn(2, 2, generator=g, dtype=F64))
+        self.u = torch.nn.Parameter(torch.randn(2, generator=g, dtype=F64))
+        self.emb = torch.nn.Embedding(4, 2, dtype=F64)
+        self.cp = torch.nn.Parameter(torch.randn(3, 1, 2, generator=g, dtype=F64))
+        self.gate = torch.nn.Parameter(torch.randn(3, generator=g, dtype=F64))
+
+    def forward(self, z, t, c):
+        h = torch.tanh(z @ self.W + t.view(-1, 1, 1) * self.u)
+        return h * (1 + c) * self.gate.sum()  # gate.sum(): an expanded (stride-0) grad
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 4])
+@pytest.mark.parametrize("cond_kind", ["from_embedding", "parameter", "clone"])
+def test_cond_built_from_parameters_gets_one_gradient(cond_kind, chunk):
+    # Review findings: a cond with its own graph into the parameters was traversed once
+    # per chunk (crash or silently wrong); a parameter passed as cond was counted twice;
+    # expanded chunk gradients were added into in place.
+    m = _CondNet()
+    T, B = 6, 3
+    gen = torch.Generator().manual_seed(18)
+    lat = torch.randn(T, B, 1, 2, generator=gen, dtype=F64)
+    up = torch.randn(T, B, 1, 2, generator=gen, dtype=F64)
+    t = _t(T, B, True, 18)
+
+    def cond():
+        if cond_kind == "from_embedding":
+            return m.emb(torch.tensor([0, 2, 3])).unsqueeze(1)
+        return m.cp if cond_kind == "parameter" else m.cp.clone()
+
+    def grads(**kw):
+        v = jagg_trajectory(m, lat, t, window=3, cond={"c": cond()}, batched_cond=["c"], **kw)
+        return params_grad((v * up).sum(), m)
+
+    want = grads()
+    assert rel_err(grads(deferred=True, chunk_size=chunk), want) < 1e-12
+
+
+def test_inplace_change_between_forward_and_backward_is_refused():
+    m = MLPField(2, seed=19)
+    T, B = 5, 2
+    lat = torch.randn(T, B, 1, 2, dtype=F64)
+    t = _t(T, B, False, 19)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for change in ("optimizer", "latents"):
+        lat_c = lat.clone()
+        v = jagg_trajectory(m, lat_c, t, window=3, deferred=True)
+        loss = (v * v).sum()
+        if change == "optimizer":
+            loss2 = (jagg_trajectory(m, lat_c, t, window=3) ** 2).sum()
+            loss2.backward()
+            opt.step()  # parameters change before the deferred backward
+        else:
+            lat_c.mul_(2.0)  # a reused rollout buffer
+        with pytest.raises(RuntimeError, match="inplace"):
+            loss.backward()
+
+
+def test_values_in_another_dtype_than_the_model_are_refused():
+    model = Counting(MLPField(2, seed=20, dtype=torch.float32))
+    T, B = 5, 2
+    lat = torch.randn(T, B, 1, 2)
+    t = _t(T, B, False, 20).float()
+    with torch.no_grad():
+        vals = jagg_trajectory(model, lat, t, window=3)
+    model.reset()
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        with pytest.raises(TypeError, match="dtype"):
+            jagg_trajectory(model, lat, t, window=3, values=vals.to(dt), deferred=True)
+    assert model.calls == []
+
+
+def test_planner_float32_choice_on_nearly_linear_velocities_matches_float64():
+    # A large affine-in-t part with a small bend: the Gram expansion must not cancel.
+    gen = torch.Generator().manual_seed(21)
+    T, B, N = 10, 4, 4096
+    t = _t(T, B, False, 21).unsqueeze(1).expand(T, B).contiguous()
+    base = 5.0 + 3.0 * t[..., None] * torch.randn(1, B, N, generator=gen, dtype=F64)
+    v64 = base + 1e-3 * torch.randn(T, B, N, generator=gen, dtype=F64)
+    g = torch.randn(T, B, N, generator=gen, dtype=F64)
+    c64 = adaptive_choice(v64, g, t, total=4 * B)
+    c32 = adaptive_choice(v64.float(), g.float(), t, total=4 * B)
+    worse = proxy_cost(v64, g, t, c32.mask) / proxy_cost(v64, g, t, c64.mask)
+    assert float(worse.max()) < 1.01

@@ -98,7 +98,11 @@ class DeferredSpec:
     t64: (T, B) float64 timesteps; budget_total: adaptive anchors over the batch.
     check_values: compare recomputed anchors with the values (caller-given values).
     tol: absolute tolerance of that comparison (0-d tensor) or None.
-    targets: the gradient-carrying inputs that follow ``values`` in ``apply``.
+    targets: the gradient-carrying inputs that follow ``values`` in ``apply``: the
+        parameters, then the cond tensors named by ``cond_keys`` (in that order).
+    cond_keys: the cond entries (of ``caller.cond``) that require grad.
+    versions: (name, tensor, version) of every input the backward re-reads, recorded at
+        the forward: an in-place change in between is refused, as autograd does.
     stats: the call's ``JaggStats`` (completed here) or None.
     """
 
@@ -112,6 +116,8 @@ class DeferredSpec:
     check_values: bool
     tol: torch.Tensor | None
     targets: list[torch.Tensor]
+    cond_keys: list[str]
+    versions: list[tuple[str, torch.Tensor, int]]
     stats: Any
     autocast: tuple[bool, torch.dtype] | None
 
@@ -149,17 +155,64 @@ class DeferredJaggFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec: DeferredSpec = ctx.spec
         (values,) = ctx.saved_tensors
-        grads = run_deferred_backward(spec, values, grad, spec.targets)
+        _check_versions(spec.versions)
+        grads = run_deferred_backward(spec, values, grad, list(ctx.needs_input_grad[2:]))
         return (None, None, *grads)
+
+
+def _check_versions(versions: list[tuple[str, torch.Tensor, int]]) -> None:
+    for name, t, version in versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"{name} was modified by an inplace operation between the deferred forward "
+                f"and its backward (version {version} -> {t._version}); the anchors are "
+                "recomputed in the backward and would see the new state (an optimizer step "
+                "or a reused rollout buffer before backward()?)"
+            )
+
+
+def record_versions(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, version) of each tensor, for :func:`_check_versions`."""
+    return [(name, t, t._version) for name, t in named]
 
 
 def run_deferred_backward(
     spec: DeferredSpec,
     values: torch.Tensor,
     grad: torch.Tensor,
-    targets: list[torch.Tensor],
+    needed: list[bool],
 ) -> list[torch.Tensor | None]:
-    """Plan, mix, run the anchors in chunks and return one gradient per target."""
+    """Plan, mix, run the anchors in chunks and return one gradient per target.
+
+    needed: which targets autograd asks a gradient for (the others get None).  The cond
+    tensors are replaced by detached leaves for the recomputation (as checkpointing
+    does): their own graphs (a text encoder, a parameter) are traversed once, by autograd,
+    after the Function returns the leaves' gradients -- never once per chunk.
+    """
+    caller = spec.caller
+    n_par = len(spec.targets) - len(spec.cond_keys)
+    leaves = {k: caller.cond[k].detach().requires_grad_(True) for k in spec.cond_keys}
+    diff = spec.targets[:n_par] + [leaves[k] for k in spec.cond_keys]
+    wanted = [i for i, need in enumerate(needed) if need]
+    saved_cond = caller.cond
+    caller.cond = {**caller.cond, **leaves}
+    try:
+        part = _chunked_grads(spec, values, grad, [diff[i] for i in wanted], spec.targets)
+    finally:
+        caller.cond = saved_cond
+    out: list[torch.Tensor | None] = [None] * len(diff)
+    for i, g in zip(wanted, part):
+        out[i] = g
+    return out
+
+
+def _chunked_grads(
+    spec: DeferredSpec,
+    values: torch.Tensor,
+    grad: torch.Tensor,
+    targets: list[torch.Tensor],
+    hooked: list[torch.Tensor],
+) -> list[torch.Tensor | None]:
     caller = spec.caller
     T, B = values.shape[:2]
     t0 = time.perf_counter()
@@ -185,22 +238,28 @@ def run_deferred_backward(
     ks, bs = _pairs_in_row_order(plan, B)
     per = B if spec.chunk_size is None else spec.chunk_size
     acc: list[torch.Tensor | None] = [None] * len(targets)
+    owned = [False] * len(targets)
     worst = torch.zeros((), dtype=torch.float64, device=values.device)
     calls = samples = 0
     for lo, hi in _chunk_bounds(ks, per, spec.batching == "per_step"):
         k, b = ks[lo:hi], bs[lo:hi]
         with torch.enable_grad(), _autocast(values.device, spec.autocast):
             v = caller.pairs(k, b, grad=True)
+        if v.dtype != values.dtype:
+            raise TypeError(
+                f"the model returns {v.dtype} but the values are {values.dtype}: values= must "
+                "be the model's own outputs (same dtype), or the staleness check is blind"
+            )
         if spec.check_values:
             dev = (v.detach().to(torch.float64) - values[k, b].to(torch.float64)).abs()
             worst = torch.maximum(worst, dev.amax())
-        if not v.requires_grad:
+        if not v.requires_grad or not targets:
             continue
         calls += 1
         samples += hi - lo
         up = g_rows[lo:hi].view_as(v)
         scale = overflow_scale(up, v.dtype)
-        with _hooks_suspended(targets):
+        with _hooks_suspended(hooked):
             gs = torch.autograd.grad(v, targets, (up / scale).to(v.dtype), allow_unused=True)
         del v
         for i, gi in enumerate(gs):
@@ -208,7 +267,15 @@ def run_deferred_backward(
                 continue
             if scale != 1.0:
                 gi = gi * scale
-            acc[i] = gi if acc[i] is None else acc[i].add_(gi)
+            # Never add into a tensor autograd handed back: it may be expanded (stride 0)
+            # or alias the upstream; the first sum allocates a buffer this loop owns.
+            if acc[i] is None:
+                acc[i] = gi
+            elif owned[i]:
+                acc[i].add_(gi)
+            else:
+                acc[i] = acc[i] + gi
+                owned[i] = True
     if spec.check_values and bool(worst > spec.tol):
         raise RuntimeError(
             f"values look stale: an anchor recomputed with grad differs from the given "

@@ -128,14 +128,22 @@ def segment_costs(values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tenso
 
     values, upstream: (T, B, N); t64: (T, B).  The residual norms come from each sample's
     Gram matrix of its velocities (one batched matmul) rather than from the (T^3, N)
-    residuals themselves.  Velocities are centred per sample first: the residual's
-    coefficients sum to zero, so centring leaves it unchanged and keeps the Gram
-    expansion free of cancellation between large norms.  Entries with q <= p + 1 are 0.
+    residuals themselves.  Each sample's affine-in-t fit is subtracted first: the residual
+    of the t-linear interpolation is zero on anything affine in t, so this leaves it
+    unchanged and keeps the Gram expansion free of cancellation between large norms.
+    Entries with q <= p + 1 are 0.
     """
     T, B, _ = values.shape
     acc = torch.float64 if values.dtype == torch.float64 else torch.float32
     v = values.to(acc).transpose(0, 1)  # (B, T, N)
+    # Remove each sample's least-squares affine fit in t: the residual annihilates
+    # anything affine in t, and what is left is small, so the Gram expansion does not
+    # cancel large norms (float32 velocities of a nearly linear trajectory).
+    tt = t64.T.to(acc)  # (B, T)
+    tc = tt - tt.mean(1, keepdim=True)
     v = v - v.mean(1, keepdim=True)
+    slope = (tc[:, :, None] * v).sum(1, keepdim=True) / tc.square().sum(1)[:, None, None]
+    v = v - tc[:, :, None] * slope
     gram = torch.bmm(v, v.transpose(1, 2)).to(torch.float64)  # (B, T, T)
     gnorm = upstream.to(acc).norm(dim=-1).to(torch.float64).T  # (B, T)
     t = t64.T  # (B, T)

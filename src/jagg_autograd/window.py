@@ -15,6 +15,7 @@ anchors.  Forward values are exact: every v_k is computed, interior ones under n
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -28,6 +29,7 @@ from jagg_autograd.deferred import (
     DeferredJaggFunction,
     DeferredSpec,
     autocast_state,
+    record_versions,
     resolve_params,
     values_tolerance,
 )
@@ -445,6 +447,17 @@ def _check_values(values: object, latents: torch.Tensor) -> torch.Tensor | None:
         raise TypeError(f"values must be None or a torch.Tensor, got {type(values).__name__}")
     if not values.is_floating_point():
         raise TypeError(f"values must be a floating tensor, got {values.dtype}")
+    # The model's output dtype: the latents' (or autocast's); values stored in another
+    # dtype would blind the staleness check (its tolerance follows the dtype).
+    allowed = {latents.dtype}
+    ac = autocast_state(latents.device)
+    if ac is not None and ac[0]:
+        allowed.add(ac[1])
+    if values.dtype not in allowed:
+        raise TypeError(
+            f"values must have the model's output dtype ({sorted(map(str, allowed))}), got "
+            f"{values.dtype}: store the rollout's velocities as the model returns them"
+        )
     if values.shape != latents.shape:
         raise ValueError(
             f"values must have the latents' shape {tuple(latents.shape)} (T, B, ...), got "
@@ -467,7 +480,7 @@ def _check_budget(budget: object, placement: str, T: int, default: float) -> flo
         return default
     if placement != "adaptive":
         raise ValueError("budget applies to placement='adaptive' only")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be None or a number of anchors per sample, got {budget!r}")
     if not 2.0 <= float(budget) <= T:  # NaN fails too
         raise ValueError(
@@ -579,7 +592,10 @@ def _jagg_core(
     if deferred:
         targets = resolve_params(model, params, who="deferred=True", require=False)
         # Cond tensors that require grad get their gradient as inputs of the Function too.
-        targets += [v for v in cond_d.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        cond_keys = [
+            k for k, v in cond_d.items() if isinstance(v, torch.Tensor) and v.requires_grad
+        ]
+        targets += [cond_d[k] for k in cond_keys]
     elif params is not None:
         raise ValueError("params is used by deferred=True only (the eager path uses autograd)")
 
@@ -676,6 +692,13 @@ def _jagg_core(
             check_values=values is not None,
             tol=values_tolerance(vals, values_tol) if values is not None else None,
             targets=targets,
+            cond_keys=cond_keys,
+            versions=record_versions(
+                [("latents", latents)]
+                + ([("timesteps", timesteps)] if isinstance(timesteps, torch.Tensor) else [])
+                + [(f"cond[{k!r}]", v) for k, v in cond_d.items() if isinstance(v, torch.Tensor)]
+                + [(f"parameter {i} of the deferred call", p) for i, p in enumerate(targets)]
+            ),
             stats=stats,
             autocast=autocast_state(device),
         )
@@ -865,9 +888,13 @@ def jagg_window(
         values: (W, B, *S) velocities of these latents at the CURRENT parameters (the
             rollout's, when no optimizer step happened since: on-policy minibatches).  No
             model call is made for non-anchor steps and the output's values are exactly
-            ``values``.  The anchors, recomputed with grad, are compared with them: a
-            deviation beyond ``values_tol`` raises a ``RuntimeError`` ("values look
-            stale") and no gradient reaches any parameter.  May be a non-contiguous view.
+            ``values`` (with ``deferred=True`` the output shares their storage: do not
+            modify it in place).  Their dtype must be the model's output dtype.  The
+            anchors, recomputed with grad, are compared with them: a deviation beyond
+            ``values_tol`` raises a ``RuntimeError`` ("values look stale") and no gradient
+            reaches any parameter.  May be a non-contiguous view.  With ``deferred=True``
+            the latents, timesteps, cond and parameters must not change in place before
+            the backward (an optimizer step in between is a ``RuntimeError``).
         deferred: run the anchors with grad in the backward, ``chunk_size`` samples at a
             time (None: B), back-propagating and freeing each chunk before the next: peak
             activation memory is one chunk's, Flow-GRPO's per-step loop for
@@ -880,8 +907,9 @@ def jagg_window(
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
             programming, with round(budget * B) anchors shared across the batch greedily by
-            marginal reduction (at least 2 per sample: its first and last step with a
-            non-zero upstream gradient; steps outside that span need no anchor).
+            marginal reduction.  Every sample gets its first and last step with a non-zero
+            upstream gradient (2 anchors; 1 if only one step is non-zero, 0 if none);
+            steps outside that span need no anchor.
         budget: mean anchors per sample for placement="adaptive" (default: the uniform
             layout's anchor count, 2 for a window).
         params: the trainable tensors, needed by ``deferred=True`` when ``model`` is not an
