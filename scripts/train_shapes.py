@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "steps": 5000,
     "batch": 64,
-    "lr": 1e-3,
+    "lr": 2e-3,
     "warmup": 200,
     "weight_decay": 0.0,
     "caption_dropout": 0.1,
