@@ -1,0 +1,230 @@
+"""The compositional shapes task: GenEval-style text-to-image GRPO on a CPU.
+
+:class:`ShapesTask` implements :class:`~jagg_autograd.tasks.base.GRPOTask` for the shipped
+text encoder + SD3 MMDiT (:mod:`jagg_autograd.models.shapes`), the prompts of
+:mod:`~jagg_autograd.tasks.shapes_scenes` and the programmatic reward of
+:mod:`~jagg_autograd.tasks.shapes_reward`:
+
+* the velocity model is the library's :class:`~jagg_autograd.integrations.diffusers.
+  SD3Velocity` around the MMDiT, with CFG (``guidance_scale``; the negative is the empty
+  prompt's embedding, which pre-training learned by caption dropout);
+* the text encoder is frozen (as SD3's are in Flow-GRPO); "full" tuning trains the whole
+  MMDiT, "lora" peft adapters on its attention projections;
+* training prompts come from the training split only, category first (uniform over the six
+  GenEval categories), then a prompt of that category; the evaluation prompts are the fixed
+  held-out set :func:`~jagg_autograd.tasks.shapes_scenes.eval_prompt_set`;
+* :func:`save_grid` draws pictures with their captions (prompt and score) into a PNG.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from jagg_autograd.tasks.base import GRPOTask
+from jagg_autograd.tasks.shapes_reward import shapes_reward
+from jagg_autograd.tasks.shapes_scenes import (
+    CATEGORIES,
+    IMAGE_SIZE,
+    eval_prompt_set,
+    parse_prompt,
+    prompt_split,
+)
+
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ShapesTask", "grid_caption", "save_grid"]
+
+#: CFG weight of the task's velocity model: shapes_meta.json's held-out evaluations of the
+#: shipped model (10 steps) peak at 2 with the ODE sampler (0.214; 1: 0.180, 3: 0.190) and
+#: tie 1 and 2 with the trainer's SDE (eta 0.7: 0.202 / 0.200; 3: 0.187).
+DEFAULT_GUIDANCE_SCALE = 2.0
+
+
+class ShapesTask(GRPOTask):
+    """GRPO task on the shipped shapes text-to-image model.
+
+    Args:
+        guidance_scale: CFG weight of the velocity model (None or 1: no CFG).
+        eval_per_category: evaluation samples per GenEval category (held-out prompts).
+        device: where the model lives (default CPU).
+        model: a :class:`~jagg_autograd.models.shapes.ShapesModel` to use instead of the
+            shipped one (e.g. in tests).
+    """
+
+    name = "shapes"
+    latent_shape = (3, IMAGE_SIZE, IMAGE_SIZE)
+
+    def __init__(
+        self,
+        *,
+        guidance_scale: float | None = DEFAULT_GUIDANCE_SCALE,
+        eval_per_category: int = 16,
+        device: str | torch.device | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
+        from jagg_autograd.models.shapes import ShapesModel, load_shapes_model
+
+        if guidance_scale is not None and (
+            isinstance(guidance_scale, bool)
+            or not isinstance(guidance_scale, (int, float))
+            or not math.isfinite(guidance_scale)
+        ):
+            raise ValueError(
+                f"guidance_scale must be None or a finite number, got {guidance_scale!r}"
+            )
+        if (
+            isinstance(eval_per_category, bool)
+            or not isinstance(eval_per_category, int)
+            or (eval_per_category < 1)
+        ):
+            raise ValueError(f"eval_per_category must be an int >= 1, got {eval_per_category!r}")
+        if model is None:
+            model = load_shapes_model(device=device)
+        elif not isinstance(model, ShapesModel):
+            raise TypeError(f"model must be a ShapesModel, got {type(model).__name__}")
+        self.model = model
+        self.model.text_encoder.requires_grad_(False)
+        self.guidance_scale = guidance_scale
+        self.eval_per_category = eval_per_category
+        self._velocity = model.velocity(guidance_scale)
+        train = prompt_split("train")
+        self._train_by_cat = {
+            c: [p for p in train if parse_prompt(p).category == c] for c in CATEGORIES
+        }
+
+    def velocity_model(self) -> nn.Module:
+        """:class:`SD3Velocity` around the MMDiT: ``model(z (n, 3, 32, 32), t (n,), **cond)``."""
+        return self._velocity
+
+    def trainable_parameters(self, tuning: str, lora_rank: int) -> list[nn.Parameter]:
+        """The MMDiT's parameters ("full") or new LoRA adapters on it ("lora"); the text
+        encoder stays frozen either way."""
+        if tuning == "full":
+            self.model.transformer.requires_grad_(True)
+            return [p for p in self.model.transformer.parameters() if p.requires_grad]
+        if tuning == "lora":
+            from jagg_autograd.integrations.diffusers import add_lora
+
+            return add_lora(self.model.transformer, rank=lora_rank)
+        raise ValueError(f"tuning must be 'full' or 'lora', got {tuning!r}")
+
+    def sample_prompts(self, n: int, generator: torch.Generator) -> list[str]:
+        """``n`` training prompts: a category uniformly, then one of its training prompts."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        cats = torch.randint(len(CATEGORIES), (n,), generator=generator).tolist()
+        u = torch.rand(n, generator=generator, dtype=torch.float64).tolist()
+        out = []
+        for c, x in zip(cats, u, strict=True):
+            ps = self._train_by_cat[CATEGORIES[c]]
+            out.append(ps[min(int(x * len(ps)), len(ps) - 1)])
+        return out
+
+    def cond(self, prompts: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """SD3Velocity's keyword arguments (prompt and empty-prompt embeddings, no grad)."""
+        return self.model.cond(list(prompts))
+
+    def reward(self, latents: torch.Tensor, prompts: Sequence[Any]) -> torch.Tensor:
+        """GenEval-style score in [0, 1] of each final latent (= picture) for its prompt."""
+        return shapes_reward(latents, list(prompts))
+
+    def eval_prompts(self) -> list[str]:
+        """The fixed held-out evaluation prompts (``eval_per_category`` per category)."""
+        return eval_prompt_set(self.eval_per_category, "heldout")
+
+    def to(self, device: torch.device | str) -> ShapesTask:
+        """Move the text encoder (the trainer moves the velocity model itself)."""
+        self.model.text_encoder.to(torch.device(device))
+        return self
+
+    def eval_breakdown(self, latents: torch.Tensor, prompts: Sequence[Any]) -> dict[str, float]:
+        """Mean score per GenEval category of an evaluation."""
+        r = self.reward(latents, prompts)
+        cats = [parse_prompt(p).category for p in prompts]
+        out = {}
+        for c in CATEGORIES:
+            idx = [i for i, k in enumerate(cats) if k == c]
+            if idx:
+                out[c] = float(r[idx].mean())
+        return out
+
+
+def grid_caption(prompt: str, score: float | None = None) -> str:
+    """A short grid caption: the prompt without "a photo of" and, if given, its score."""
+    text = prompt[len("a photo of ") :] if prompt.startswith("a photo of ") else prompt
+    return text if score is None else f"{text}\nscore {score:.2f}"
+
+
+def save_grid(
+    path: str | Path,
+    images: torch.Tensor,
+    captions: Sequence[str],
+    *,
+    ncols: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """Save pictures with captions as one PNG.
+
+    Args:
+        path: the PNG to write (parent folders are created).
+        images: ``(n, H, W, C)`` in ``[0, 1]`` (what :meth:`GRPOTask.decode` returns), C = 1
+            or 3; values outside are clipped.
+        captions: ``n`` strings (e.g. :func:`grid_caption` of prompt and score), drawn under
+            each picture (long ones wrapped).
+        ncols: pictures per row (default ``min(n, 8)``); e.g. put the "before" samples on
+            the first rows and the same prompts' "after" samples on the next.
+        title: optional figure title.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[-1] not in (1, 3):
+        raise ValueError("images must be a tensor of shape (n, H, W, C) with C in (1, 3)")
+    n = images.shape[0]
+    if isinstance(captions, str) or len(captions) != n:
+        raise ValueError(f"captions must be a sequence of {n} strings (one per image)")
+    if n == 0:
+        raise ValueError("images must hold at least one picture")
+    if ncols is None:
+        ncols = min(n, 8)
+    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        raise ValueError(f"ncols must be an int >= 1, got {ncols!r}")
+    nrows = math.ceil(n / ncols)
+    pics = images.detach().float().clamp(0, 1).cpu().numpy()
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(1.9 * ncols, 2.25 * nrows + (0.4 if title else 0)), squeeze=False
+    )
+    for i, ax in enumerate(axes.flat):
+        ax.set_axis_off()
+        if i >= n:
+            continue
+        pic = pics[i][..., 0] if pics.shape[-1] == 1 else pics[i]
+        ax.imshow(
+            pic,
+            cmap="gray" if pics.shape[-1] == 1 else None,
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+        )
+        lines = [textwrap.fill(part, 22) for part in str(captions[i]).split("\n")]
+        ax.set_title("\n".join(lines), fontsize=6.5)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
