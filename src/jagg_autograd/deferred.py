@@ -52,6 +52,16 @@ def values_tolerance(values: torch.Tensor, tol: float | None) -> torch.Tensor:
     return rtol * (1.0 + values.detach().abs().amax().to(torch.float64))
 
 
+def stale_error(worst: float, tol: float) -> RuntimeError:
+    """The error for recomputed anchors that differ from the caller's ``values``."""
+    return RuntimeError(
+        f"values look stale: an anchor recomputed with grad differs from the given values by "
+        f"{worst:.3g} (tolerance {tol:.3g}); values= must be the velocities of these latents "
+        "at the CURRENT parameters (was there an optimizer step since the rollout?). No "
+        "gradient was applied."
+    )
+
+
 def resolve_params(model: object, params: object, *, who: str, require: bool) -> list[torch.Tensor]:
     """The trainable tensors: ``params`` as given (deduplicated), else the model's.
 
@@ -277,12 +287,7 @@ def _chunked_grads(
                 acc[i] = acc[i] + gi
                 owned[i] = True
     if spec.check_values and bool(worst > spec.tol):
-        raise RuntimeError(
-            f"values look stale: an anchor recomputed with grad differs from the given "
-            f"values by {float(worst):.3g} (tolerance {float(spec.tol):.3g}); values= must "
-            "be the velocities of these latents at the CURRENT parameters (was there an "
-            "optimizer step since the rollout?). No gradient was applied."
-        )
+        raise stale_error(float(worst), float(spec.tol))
     if spec.stats is not None:
         st = spec.stats
         st.grad_samples = samples

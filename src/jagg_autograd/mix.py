@@ -64,6 +64,16 @@ def anchor_slots(anchors: torch.Tensor, T: int, B: int) -> tuple[torch.Tensor, i
     return slots, n * B
 
 
+def anchor_neighbours(anchor_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (step, sample): the last anchor step at or before k (-1: none) and the first
+    anchor step at or after k (T: none), both (T, B) int64, for a (T, B) bool mask."""
+    T, B = anchor_mask.shape
+    steps = torch.arange(T, device=anchor_mask.device).unsqueeze(1).expand(T, B)
+    last = torch.where(anchor_mask, steps, -1).cummax(0).values
+    first = torch.where(anchor_mask, steps, T).flip(0).cummin(0).values.flip(0)
+    return last, first
+
+
 def jagg_mix_slots_ref(
     grad: torch.Tensor,
     w_cur: torch.Tensor,
@@ -87,11 +97,8 @@ def jagg_mix_slots_ref(
     dev = grad.device
     acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
     slots = slots.to(dev, torch.long)
-    is_a = slots >= 0
-    steps = torch.arange(T, device=dev).unsqueeze(1).expand(T, B)
     # Last anchor step at or before k (-1: none) and first anchor step after k (T: none).
-    last = torch.where(is_a, steps, -1).cummax(0).values
-    after = torch.where(is_a, steps, T).flip(0).cummin(0).values.flip(0)
+    last, after = anchor_neighbours(slots >= 0)
     nxt_step = torch.cat([after[1:], torch.full((1, B), T, device=dev, dtype=torch.long)])
     cols = torch.arange(B, device=dev).unsqueeze(0).expand(T, B)
     pad = torch.cat([slots, torch.full((1, B), -1, device=dev, dtype=torch.long)])

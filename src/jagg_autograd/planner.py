@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jagg_autograd.mix import anchor_neighbours
+
 
 @dataclass
 class Plan:
@@ -60,10 +62,7 @@ def interpolation_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_cur, w_nxt) float64 (T, B) for per-sample anchors ``anchor_mask`` at ``t64`` (T, B)."""
     T, B = anchor_mask.shape
-    dev = anchor_mask.device
-    steps = torch.arange(T, device=dev).unsqueeze(1).expand(T, B)
-    prev = torch.where(anchor_mask, steps, -1).cummax(0).values  # last anchor <= k
-    nxt = torch.where(anchor_mask, steps, T).flip(0).cummin(0).values.flip(0)  # first >= k
+    prev, nxt = anchor_neighbours(anchor_mask)  # last anchor <= k, first anchor >= k
     inside = (prev >= 0) & (nxt < T) & ~anchor_mask
     p = prev.clamp(0, T - 1)
     q = nxt.clamp(0, T - 1)
@@ -271,9 +270,7 @@ def proxy_cost(
     w_cur, w_nxt = interpolation_weights(mask, t64)
     v = values.reshape(T, B, -1).to(torch.float64)
     g = upstream.reshape(T, B, -1).to(torch.float64)
-    steps = torch.arange(T, device=mask.device).unsqueeze(1).expand(T, B)
-    prev = torch.where(mask, steps, -1).cummax(0).values.clamp(0, T - 1)
-    nxt = torch.where(mask, steps, T).flip(0).cummin(0).values.flip(0).clamp(0, T - 1)
+    prev, nxt = (x.clamp(0, T - 1) for x in anchor_neighbours(mask))
     cols = torch.arange(B, device=mask.device).unsqueeze(0).expand(T, B)
     vhat = w_cur[..., None] * v[prev, cols] + w_nxt[..., None] * v[nxt, cols]
     interp = (w_cur + w_nxt > 0) & ~mask

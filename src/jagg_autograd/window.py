@@ -31,6 +31,7 @@ from jagg_autograd.deferred import (
     autocast_state,
     record_versions,
     resolve_params,
+    stale_error,
     values_tolerance,
 )
 from jagg_autograd.distributed import BUFFER_SYNC_WITH_ROUTER, ddp_syncs_buffers
@@ -506,14 +507,6 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def _stale_error(worst: float, tol: float) -> RuntimeError:
-    return RuntimeError(
-        f"values look stale: an anchor recomputed with grad differs from the given values by "
-        f"{worst:.3g} (tolerance {tol:.3g}); values= must be the velocities of these latents "
-        "at the CURRENT parameters (was there an optimizer step since the rollout?)"
-    )
-
-
 def check_reuse_args(
     latents: torch.Tensor,
     values: object,
@@ -768,7 +761,7 @@ def _compare_values(
     limit = float(values_tolerance(want if scale is None else scale, tol))
     worst = float((got.detach().to(torch.float64) - want.to(torch.float64)).abs().max())
     if worst > limit:
-        raise _stale_error(worst, limit)
+        raise stale_error(worst, limit)
 
 
 def _collective(model: object) -> bool:
