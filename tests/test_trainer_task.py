@@ -247,8 +247,10 @@ def test_random_timestep_fraction_is_the_subsample_baseline():
     """mode="exact" + timestep_selection="random" at k/T trains what mode="subsample" does
     (same draw, same loss and gradient up to summation order)."""
     a = train(GRPOConfig(**TINY, mode="subsample", subsample_steps=2))
+    # exact_loop=False: one stacked call like subsample's (the per-step loop's own model
+    # calls differ from it by round-off; its gradient is checked in test_trainer_baselines).
     b = train(GRPOConfig(**TINY, mode="exact", timestep_fraction=0.5,
-                         timestep_selection="random"))  # fmt: skip
+                         timestep_selection="random", exact_loop=False))  # fmt: skip
     assert a["config"]["timestep_selection"] == "random"
     assert a["config"]["timestep_fraction"] == 0.5
     assert a["steps"][0]["reward_mean"] == b["steps"][0]["reward_mean"]  # same rollout

@@ -35,6 +35,13 @@ digits demo is ``task="digits"``).  One GRPO step, with Flow-GRPO's names:
    only inside a window of ``window`` steps that slides along the trajectory during
    training, ODE elsewhere; only the window's steps are trained).
 
+   ``mode="exact"`` runs Flow-GRPO's training loop by default (``exact_loop``): forward
+   and backward one trained step at a time (one step's activations; the same gradient as
+   the batched call, kept with ``exact_loop=False`` as the oracle).  ``mode="nft"`` is
+   DiffusionNFT's forward-process loss (:mod:`jagg_autograd.nft`): the rollout's clean
+   samples re-noised at ``nft_timesteps`` random timesteps, no log-probs.  With
+   ``track_memory`` each row has ``peak_saved_bytes`` (peak saved-for-backward bytes).
+
 Optional along the run: a held-out evaluation every ``eval_every`` steps (SDE or ODE
 sampler, fixed noise never used in training) and a gradient probe every ``probe_every``
 steps (cosine / relative error of the run's gradient estimator to the exact gradient on a
@@ -80,6 +87,7 @@ from jagg_autograd.grpo import (
     sde_step_with_logprob,
     shifted_sigma_schedule,
 )
+from jagg_autograd.memory import SavedTensorTracker
 from jagg_autograd.rollout import (
     STEP_SELECTIONS,
     Trajectories,
@@ -112,7 +120,7 @@ __all__ = [
     "trajectory_log_probs",
 ]
 
-MODES = ("exact", "jagg", "router", "subsample", "mixgrpo")
+MODES = ("exact", "jagg", "router", "subsample", "mixgrpo", "nft")
 SAMPLERS = ("sde", "ode")
 SCHEDULES = ("linear", "shifted")
 TUNING = ("full", "lora")
@@ -180,7 +188,24 @@ class GRPOConfig:
     """Shift of the "shifted" schedule."""
     mode: str = "jagg"
     """Gradient: "exact" (every step with grad), "jagg", "router" (JAGG + CosineRouter),
-    or the baselines "subsample" (DanceGRPO) and "mixgrpo" (MixGRPO's sliding window)."""
+    or the baselines "subsample" (DanceGRPO), "mixgrpo" (MixGRPO's sliding window) and
+    "nft" (DiffusionNFT's forward-process loss, :mod:`jagg_autograd.nft`: no log-probs)."""
+    exact_loop: bool = True
+    """mode="exact": forward + backward ONE trained step at a time, as Flow-GRPO's training
+    loop does (peak activation memory of one step; the users' baseline).  The loss is a
+    sum of per-step terms, so the gradient is the batched one's.  False: all trained steps
+    in one call and one backward (T' steps of activations, the "batched exact" oracle)."""
+    nft_beta: float = 1.0
+    """mode="nft": DiffusionNFT's beta, the step of the implicit policies ``v_plus = beta
+    v_theta + (1 - beta) v_old`` (their config/nft.py: 1.0; 0.1 for some rewards)."""
+    nft_timesteps: int = 4
+    """mode="nft": training timesteps drawn per sample and minibatch (of the T sampler
+    steps; 4 = the with-grad samples of JAGG's 4 anchors per 10 steps)."""
+    track_memory: bool = False
+    """Log ``peak_saved_bytes``: the peak of live tensors saved for backward during the
+    training phase (:class:`~jagg_autograd.memory.SavedTensorTracker`, parameters
+    excluded; the deferred backward's recomputation included).  Off by default: the
+    hooks cost time."""
     window: int = 4
     """JAGG window W (steps per window, anchors included); mode="mixgrpo": the number of
     consecutive SDE steps trained; ignored by mode="exact" and "subsample"."""
@@ -299,6 +324,8 @@ class GRPOConfig:
             )
         if self.mode == "mixgrpo":
             return self.window
+        if self.mode == "nft":
+            return self.nft_timesteps
         return max(1, int(self.num_steps * self.timestep_fraction))
 
     def validate(self, task: GRPOTask | None = None) -> None:
@@ -381,7 +408,8 @@ class GRPOConfig:
             raise ValueError(
                 f"window must be an int in [2, num_steps={self.num_steps}], got {self.window!r}"
             )
-        for name in ("shared_anchors", "reuse_values", "deferred", "progress"):
+        bools = ("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop")
+        for name in (*bools, "track_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         positive = {
@@ -405,12 +433,25 @@ class GRPOConfig:
             raise ValueError(f"max_grad_norm must be None or > 0, got {self.max_grad_norm!r}")
         if not _is_real(self.timestep_fraction) or not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction!r}")
-        if self.mode in ("subsample", "mixgrpo") and (
+        if self.mode in ("subsample", "mixgrpo", "nft") and (
             self.timestep_fraction != 1.0 or self.timestep_selection != "prefix"
         ):
             raise ValueError(
                 f"timestep_fraction / timestep_selection do not combine with mode={self.mode!r} "
-                "(subsample: set subsample_steps; mixgrpo: set window)"
+                "(subsample: set subsample_steps; mixgrpo: set window; nft: set nft_timesteps)"
+            )
+        if not _is_real(self.nft_beta) or self.nft_beta <= 0:
+            raise ValueError(f"nft_beta must be a finite number > 0, got {self.nft_beta!r}")
+        top = self.num_steps if self.mode == "nft" else math.inf  # other modes ignore it
+        if not _is_int(self.nft_timesteps) or not 1 <= self.nft_timesteps <= top:
+            raise ValueError(
+                f"nft_timesteps must be an int in [1, num_steps={self.num_steps}], "
+                f"got {self.nft_timesteps!r}"
+            )
+        if self.mode == "nft" and self.probe_every:
+            raise ValueError(
+                "probe_every must be 0 with mode='nft' (the probe compares to the exact GRPO "
+                "gradient, which DiffusionNFT's loss does not estimate)"
             )
         if self.budget is not None and (not _is_real(self.budget) or self.budget <= 0):
             raise ValueError(f"budget must be None or a finite number > 0, got {self.budget!r}")
@@ -775,10 +816,22 @@ def _minibatch_loss(
     step: int,
     generator: torch.Generator,
     on_policy: bool,
+    loop: bool = False,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, Any]]:
-    """The loss whose gradient is this run's estimator on one minibatch, and its cost."""
+    """The loss whose gradient is this run's estimator on one minibatch, and its cost.
+
+    ``mode="nft"``, and ``mode="exact"`` with ``loop=True`` (Flow-GRPO's per-step loop),
+    run their backwards of ``scale * loss`` themselves, step by step: the loss is then
+    returned detached and ``cost["backward_done"]`` is True (``cost["backward_seconds"]``:
+    the time of those backwards).
+    """
     c = tr.config
     B = mb.traj.batch_size
+    if mode == "nft":
+        return _nft_minibatch(tr, mb, generator=generator, on_policy=on_policy, scale=scale)
+    if mode == "exact" and loop:
+        return _exact_loop(tr, mb, scale=scale)
     if mode == "subsample":
         lp, old, _ = _subsample(
             tr.policy,
@@ -850,6 +903,103 @@ def _minibatch_loss(
     cost = {"routed_frac": routed, "stats": res.stats, "path": path,
             "pairs": res.log_probs.numel()}  # fmt: skip
     return loss, infos, cost
+
+
+def _exact_loop(
+    tr: GRPOTrainer, mb: _Minibatch, *, scale: float
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """Flow-GRPO's training loop: per trained step j, its velocities with grad, its loss
+    term ``loss_j / T'`` (the clipped GRPO loss of :func:`_grpo_loss_mean`, KL included)
+    and at once ``(scale * loss_j / T').backward()``; one step's activations at a time."""
+    c = tr.config
+    B = mb.traj.batch_size
+    steps = (0, mb.traj.num_steps) if mb.steps is None else mb.steps
+    n = steps[1] - steps[0] if isinstance(steps, tuple) else steps.shape[0]
+    losses, infos, bw = [], [], 0.0
+    for j in range(n):
+        sj = (steps[0] + j, steps[0] + j + 1) if isinstance(steps, tuple) else steps[j : j + 1]
+        res = policy_log_probs(
+            tr.policy, mb.traj, steps=sj, noise_level=c.noise_level, mode="exact",
+            batching=c.batching, chunk_size=c.chunk_size,
+        )  # fmt: skip
+        kl = None
+        if mb.ref_means is not None:
+            kl = kl_to_reference(res.means[0], mb.ref_means[j], res.std_dev_t[0])[None]
+        loss_j, info_j = _grpo_loss_mean(res.log_probs, res.old_log_probs, mb.adv, c, kl)
+        t0 = time.perf_counter()
+        (loss_j * (scale / n)).backward()
+        bw += time.perf_counter() - t0
+        losses.append(loss_j.detach())
+        infos += info_j
+    cost = {"routed_frac": 1.0, "stats": None, "path": "exact", "grad_forward_calls": n,
+            "grad_samples": n * B, "pairs": n * B, "backward_done": True,
+            "backward_seconds": bw}  # fmt: skip
+    return torch.stack(losses).mean(), infos, cost  # the batched path's arithmetic
+
+
+def _nft_minibatch(
+    tr: GRPOTrainer,
+    mb: _Minibatch,
+    *,
+    generator: torch.Generator,
+    on_policy: bool,
+    scale: float,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """DiffusionNFT's loss on one minibatch (:mod:`jagg_autograd.nft`), one forward +
+    backward per training timestep as their train_nft_sd3.py does (loss / nft_timesteps).
+
+    ``v_old`` is the sampling policy, i.e. the parameters at the rollout: on-policy
+    minibatches (no optimizer step since the rollout) call the current policy without
+    grad; later ones call it at a snapshot of the trainable parameters taken before the
+    rollout's first optimizer step (fresh noise and timesteps are drawn per minibatch and
+    inner epoch, as theirs, so ``v_old`` cannot be precomputed at the rollout).
+    """
+    from jagg_autograd.nft import ParamSnapshot, draw_timesteps, nft_loss
+
+    c = tr.config
+    traj, B, n = mb.traj, mb.traj.batch_size, c.nft_timesteps
+    if float(traj.sigmas[-1].max()) != 0.0:
+        raise ValueError("mode='nft' needs a schedule ending at sigma = 0 (clean final latents)")
+    snap = getattr(tr, "_nft_snapshot", None)
+    if on_policy and (snap is None or snap[0] != tr.step_index):
+        snap = tr._nft_snapshot = (tr.step_index, ParamSnapshot(tr.params))
+
+    def v_old_of(xt: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if on_policy or snap is None:
+            with torch.no_grad():
+                return tr.policy(xt, t, **traj.cond)
+        return snap[1].call(tr.policy, xt, t, **traj.cond)
+
+    x0 = traj.latents[-1]  # sigma = 0: the clean samples
+    ts = draw_timesteps(traj.sigmas, B, n, generator)
+    losses, infos, bw = [], [], 0.0
+    for j in range(n):
+        t = ts[j].to(device=x0.device, dtype=x0.dtype)
+        eps = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
+        te = t.view(-1, *([1] * (x0.dim() - 1)))
+        xt = (1 - te) * x0 + te * eps
+        v_old = v_old_of(xt, t)
+        v = tr.policy(xt, t, **traj.cond)
+        loss_j = nft_loss(v, v_old, xt, x0, t, mb.adv, beta=c.nft_beta,
+                          adv_clip_max=c.adv_clip_max)  # fmt: skip
+        info = {"clipfrac": torch.zeros(()), "approx_kl": torch.zeros(()),
+                "ratio_min": torch.ones(()), "ratio_max": torch.ones(())}  # fmt: skip
+        if tr.reference is not None:
+            # Their KL: train.beta * mean_b mean((v_theta - v_ref)^2) at the same x_t.
+            with torch.no_grad():
+                v_ref = tr.reference(xt, t, **traj.cond)
+            kl = ((v - v_ref) ** 2).flatten(1).mean(1)
+            loss_j = loss_j + c.beta * kl.mean()
+            info["kl"] = kl.detach().mean().cpu()
+        t0 = time.perf_counter()
+        (loss_j * (scale / n)).backward()
+        bw += time.perf_counter() - t0
+        losses.append(loss_j.detach().float())
+        infos.append(info)
+    cost = {"routed_frac": 0.0, "stats": None, "path": "nft", "grad_forward_calls": n,
+            "grad_samples": n * B, "pairs": traj.num_steps * B, "backward_done": True,
+            "backward_seconds": bw}  # fmt: skip
+    return torch.stack(losses).mean(), infos, cost
 
 
 def _stats_cost(cost: dict[str, Any]) -> tuple[int, int]:
@@ -1155,7 +1305,7 @@ class GRPOTrainer:
     ) -> tuple[int, int] | torch.Tensor | None:
         """The trained steps of a minibatch (None: all T; subsample/MixGRPO choose their own)."""
         c = self.config
-        if c.mode in ("subsample", "mixgrpo") or c.num_train_steps == c.num_steps:
+        if c.mode in ("subsample", "mixgrpo", "nft") or c.num_train_steps == c.num_steps:
             return None
         return select_steps(
             c.num_steps, batch, c.num_train_steps, c.timestep_selection, generator=generator
@@ -1167,7 +1317,17 @@ class GRPOTrainer:
         """One GRPO step: probe if due, rollout, optimizer step(s), evaluation if due."""
         c = self.config
         probe = self.probe() if c.probe_every and self.step_index % c.probe_every == 0 else {}
-        row = _grpo_step(self)
+        if c.track_memory:
+            # The rollout and the reference run without grad (nothing saved): the peak is the
+            # training phase's, the deferred backward's recomputation included.
+            exclude = [*self.model.parameters(), *self.params]
+            if isinstance(self.reference, _Policy):
+                exclude += list(self.reference.model.parameters())
+            with SavedTensorTracker(exclude=exclude) as mem:
+                row = _grpo_step(self)
+            row["peak_saved_bytes"] = int(mem.peak)
+        else:
+            row = _grpo_step(self)
         row["step"] = self.step_index
         row.update(probe)
         self.step_index += 1
@@ -1242,13 +1402,14 @@ def train(
     (model samples of the training phase), ``grad_samples`` (with grad),
     ``grad_forward_calls`` (= ``backward_calls``, the with-grad model calls),
     ``backward_passes`` (``loss.backward()`` calls), ``optimizer_steps``, ``paths`` (per
-    minibatch: "values+deferred", "deferred", "eager" or "exact"), ``rollout_seconds``,
+    minibatch: "values+deferred", "deferred", "eager", "exact" or "nft"), ``rollout_seconds``,
     ``train_seconds`` and its phases ``reference_seconds``, ``forward_seconds``,
     ``backward_seconds``, ``optimizer_seconds``; on probe steps ``probe_cosine`` /
-    ``probe_rel_error``), ``evals`` (the held-out evaluations, the first before training
-    and the last after: ``step``, ``mean_reward``, the task's breakdown (digits:
-    ``per_digit``), ``wall_seconds`` = rollout + training time so far), ``eval`` (the first
-    and last as ``initial`` / ``final``), ``total_seconds``, ``rollout_seconds``,
+    ``probe_rel_error``; with ``track_memory`` ``peak_saved_bytes``), ``evals`` (the
+    held-out evaluations, the first before training and the last after: ``step``,
+    ``mean_reward``, the task's breakdown (digits: ``per_digit``), ``wall_seconds`` =
+    rollout + training time so far), ``eval`` (the first and last as ``initial`` /
+    ``final``), ``total_seconds``, ``rollout_seconds``,
     ``train_seconds``, ``summary``, ``out``.
 
     Raises:
@@ -1326,7 +1487,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
                    tr._train_steps(t.batch_size, gen))
         for i, t in enumerate(trajs)
     ]  # fmt: skip
-    if tr.reference is not None:
+    if tr.reference is not None and c.mode != "nft":  # nft: its reference runs at x_t
         for mb in mbs:  # once per rollout, reused by every inner epoch
             mb.ref_means = reference_means(
                 tr.reference, mb.traj, steps=mb.steps, noise_level=c.noise_level
@@ -1337,6 +1498,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
     keys = ("loss", "clipfrac", "approx_kl", "ratio_min", "ratio_max", "grad_norm", "kl")
     acc: dict[str, list[float]] = {k: [] for k in keys}
     routed, paths, grad_calls, grad_samples, pairs = [], [], 0, 0, 0
+    passes = 0  # loss.backward() calls (the step loops run one per trained step)
     phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     opt_steps = 0
     GA = c.gradient_accumulation_steps
@@ -1346,18 +1508,22 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
             where = f"epoch {epoch}, minibatch {i}"
             ta = time.perf_counter()
             loss, infos, cost = _minibatch_loss(
-                tr, mb, mode=c.mode, step=tr.step_index, generator=gen, on_policy=opt_steps == 0
-            )
+                tr, mb, mode=c.mode, step=tr.step_index, generator=gen, on_policy=opt_steps == 0,
+                loop=c.exact_loop, scale=1.0 / GA,
+            )  # fmt: skip
             _check_finite(loss.detach(), "loss", tr.step_index, where)
             tb = time.perf_counter()
-            (loss / GA).backward()
+            if not cost.get("backward_done"):
+                (loss / GA).backward()
             tc = time.perf_counter()
+            bw_in = cost.get("backward_seconds", 0.0)  # backwards run inside the step loops
             gs, calls = _stats_cost(cost)
             grad_samples += gs
             grad_calls += calls
             pairs += cost["pairs"]
             routed.append(cost["routed_frac"])
             paths.append(cost["path"])
+            passes += calls if cost.get("backward_done") else 1
             acc["loss"].append(float(loss.detach()))
             for k in ("clipfrac", "approx_kl"):
                 acc[k].append(float(torch.stack([f[k] for f in infos]).mean()))
@@ -1378,8 +1544,8 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
                 tr.optimizer.zero_grad(set_to_none=True)
                 opt_steps += 1
                 acc["grad_norm"].append(float(gn))
-            phase["forward"] += tb - ta
-            phase["backward"] += tc - tb
+            phase["forward"] += tb - ta - bw_in
+            phase["backward"] += tc - tb + bw_in
             phase["optimizer"] += time.perf_counter() - tc
     t2 = time.perf_counter()
 
@@ -1402,7 +1568,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
         "grad_samples": grad_samples,
         "grad_forward_calls": grad_calls,
         "backward_calls": grad_calls,
-        "backward_passes": len(paths),
+        "backward_passes": passes,
         "optimizer_steps": opt_steps,
         "paths": paths,
         "rollout_seconds": t1 - t0,
@@ -1472,6 +1638,11 @@ def _method(cfg: dict[str, Any]) -> str:
         txt = f"subsample ({cfg.get('num_train_steps')} random steps per sample)"
     elif mode == "mixgrpo":
         txt = f"mixgrpo (sliding SDE window of {cfg['window']} steps)"
+    elif mode == "nft":
+        txt = (
+            f"nft (DiffusionNFT forward-process loss, beta {cfg.get('nft_beta', 1.0):g}, "
+            f"{cfg.get('nft_timesteps', 4)} timesteps per sample)"
+        )
     else:
         anchors = "shared" if cfg["shared_anchors"] else "disjoint"
         txt = f"{mode}, window {cfg['window']}, {anchors} anchors"
@@ -1491,6 +1662,8 @@ def _method(cfg: dict[str, Any]) -> str:
             )
         if extras:
             txt += ", " + ", ".join(extras)
+    if mode == "exact" and not cfg.get("exact_loop", True):
+        txt += " (batched: one backward over all trained steps)"
     if mode in ("exact", "jagg", "router") and cfg.get("timestep_fraction", 1.0) < 1.0:
         txt += f", {cfg.get('num_train_steps')} {cfg['timestep_selection']} steps trained"
     return txt
