@@ -370,17 +370,61 @@ def test_cuda_without_cuda_is_a_clear_error():
 def test_log_written_after_every_step_and_stale_files_replaced(tmp_path):
     (tmp_path / "log.json").write_text('{"run_id": "old", "steps": [1, 2, 3]}')
     (tmp_path / "reward.png").write_bytes(b"old plot")
+    (tmp_path / "grid.png").write_bytes(b"old grid")
     seen = []
 
     def on_step(row):
         disk = json.loads((tmp_path / "log.json").read_text())
         seen.append((disk["run_id"], disk["status"], len(disk["steps"])))
         assert not (tmp_path / "reward.png").exists()  # the old plot is gone at the start
+        assert not (tmp_path / "grid.png").exists()
 
     log = train(GRPOConfig(**TINY, out=str(tmp_path)), on_step=on_step)
     assert seen == [(log["run_id"], "running", 1), (log["run_id"], "running", 2)]
     assert log["run_id"] != "old" and log["started_at"]
     assert (tmp_path / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    assert log["grid"] == str(tmp_path / "grid.png")
+
+
+def test_grid_keeps_the_same_evaluation_samples_before_and_after(tmp_path, monkeypatch):
+    """grid.png: k evenly spread evaluation samples of the first and the last evaluation,
+    captioned with the step, the prompt and that sample's own reward."""
+    saved = {}
+
+    def fake_save_grid(path, images, captions, *, ncols=None, title=None):
+        saved.update(images=images, captions=list(captions), ncols=ncols)
+        return path
+
+    monkeypatch.setattr(trainer_mod, "save_grid", fake_save_grid)
+
+    class Known(ToyTask):
+        """Reward 0.2 * prompt + 0.01 * position: every caption's score is known."""
+
+        def reward(self, latents, prompts):
+            return 0.2 * torch.tensor(prompts, dtype=torch.float32) + 0.01 * torch.arange(
+                len(prompts), dtype=torch.float32
+            )
+
+        def decode(self, latents):
+            return (latents.clamp(-1, 1) + 1).div(2).reshape(-1, 1, 3, 1)
+
+    tr = GRPOTrainer(_toy(out=str(tmp_path), grid_samples=3), task=Known())
+    while tr.step_index < tr.config.steps:
+        tr.step()
+    tr.finish()
+    prompts = tr.task.eval_prompts()
+    idx = [0, 4, 7]  # 3 evenly spread samples of 8
+    assert saved["ncols"] == 3 and tuple(saved["images"].shape) == (6, 1, 3, 1)
+    for cap, i, st in zip(saved["captions"], idx + idx, [0, 0, 0, 3, 3, 3]):
+        assert cap == f"step {st}: {prompts[i]}\nscore {0.2 * prompts[i] + 0.01 * i:.2f}"
+    # A task whose latents are not pictures (decode -> None) runs and writes no grid.
+    monkeypatch.undo()
+    log = train(_toy(out=str(tmp_path / "nogrid")), task=ToyTask())
+    assert log["status"] == "finished" and "grid" not in log
+    assert not (tmp_path / "nogrid" / "grid.png").exists()
+    with pytest.raises(ValueError, match="grid_samples"):
+        GRPOConfig(grid_samples=-1).validate()
 
 
 def test_unwritable_out_fails_before_training(tmp_path, monkeypatch):

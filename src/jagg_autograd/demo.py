@@ -2,7 +2,8 @@
 
 Run ``python -m jagg_autograd.demo`` (or ``jagg-demo``) with no arguments for the default
 run (a few minutes on a 2-core CPU); ``--help`` lists the options. The run writes
-``log.json`` and ``reward.png`` to ``--out`` and prints a one-paragraph summary. The
+``log.json``, ``reward.png`` and ``grid.png`` (held-out samples before and after training)
+to ``--out`` and prints a one-paragraph summary. The
 training loop itself is :func:`jagg_autograd.trainer.train`; this module is only its CLI.
 """
 
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-seed", type=int, default=d.eval_seed, help="evaluation noise (None: seed+10000)"
     )
     m.add_argument(
+        "--grid-samples",
+        type=int,
+        default=d.grid_samples,
+        help="held-out pictures before/after training in grid.png (0: no grid)",
+    )
+    m.add_argument(
         "--probe-every",
         type=int,
         default=d.probe_every,
@@ -211,7 +218,8 @@ _FIELDS = (
     "batching", "reuse_values", "deferred", "placement", "budget", "chunk_size", "lr",
     "weight_decay", "clip_range", "adv_clip_max", "beta", "optimizer_steps_per_rollout",
     "gradient_accumulation_steps", "num_inner_epochs", "tuning", "lora_rank",
-    "eval_per_digit", "eval_every", "eval_sampler", "eval_seed", "probe_every", "seed",
+    "eval_per_digit", "eval_every", "eval_sampler", "eval_seed", "grid_samples",
+    "probe_every", "seed",
     "device", "precision", "out", "threads",
 )  # fmt: skip
 

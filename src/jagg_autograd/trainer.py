@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from jagg_autograd.diagnostics import compare_grads
+from jagg_autograd.grid import grid_caption, save_grid
 from jagg_autograd.grpo import (
     group_advantages,
     grpo_loss,
@@ -280,6 +281,10 @@ class GRPOConfig:
     deterministic Euler sampler from fixed initial noise)."""
     eval_seed: int | None = None
     """Seed of the evaluation noise (None: ``seed + 10000``, disjoint from training)."""
+    grid_samples: int = 8
+    """Pictures per evaluation kept for ``grid.png`` (written to ``out`` at the end: the
+    first evaluation's samples on the top row, the last one's below, same prompts and noise,
+    each with its prompt and score; 0: no grid)."""
     probe_every: int = 0
     """Every ``probe_every`` GRPO steps, before the optimizer step, measure the cosine and
     relative error of this run's gradient estimator to the exact gradient on a separate
@@ -381,7 +386,7 @@ class GRPOConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("eval_every", "probe_every"):
+        for name in ("eval_every", "probe_every", "grid_samples"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -1144,6 +1149,7 @@ class GRPOTrainer:
         self.rollout_seconds = 0.0
         self.train_seconds = 0.0
         self._prepare_out()  # before any model is built: a bad --out fails at once
+        self._grid_rows: list[tuple[torch.Tensor, list[str], int]] = []
         try:
             self._build(task_obj)
             if config.eval_per_digit:
@@ -1193,12 +1199,13 @@ class GRPOTrainer:
             return
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            for name in ("log.json", "reward.png"):
+            for name in ("log.json", "reward.png", "grid.png"):
                 if (self.out / name).is_dir():
                     raise OSError(f"{self.out / name} is a directory")
-            stale = self.out / "reward.png"
-            if stale.exists():
-                stale.unlink()  # a previous run's plot must not look like this run's
+            for name in ("reward.png", "grid.png"):
+                stale = self.out / name
+                if stale.exists():
+                    stale.unlink()  # a previous run's picture must not look like this run's
             self._write()
         except OSError as exc:
             raise ValueError(f"out={str(self.out)!r} is not a writable folder: {exc}") from exc
@@ -1247,6 +1254,15 @@ class GRPOTrainer:
         traj = self._sample(prompts, g, sde_steps=[] if self.config.eval_sampler == "ode" else None)
         final = traj.latents[-1]
         r = self.task.reward(final, prompts)
+        if self.config.grid_samples:
+            # Evenly spread over the evaluation set (tasks order it by category / label).
+            k = min(self.config.grid_samples, len(prompts))
+            idx = torch.linspace(0, len(prompts) - 1, k).round().long().tolist()
+            pics = self.task.decode(final[idx].detach().cpu())
+            if pics is not None:  # None: the task's latents are not pictures
+                self._grid_rows.append(
+                    (pics, [grid_caption(prompts[i], float(r[i])) for i in idx], self.step_index)
+                )
         return {
             "mean_reward": float(r.mean()),
             **self.task.eval_breakdown(final, prompts),
@@ -1362,7 +1378,24 @@ class GRPOTrainer:
         self._write()
         if self.out is not None:
             _plot(self.out / "reward.png", log)
+            self._save_grid()
         return log
+
+    def _save_grid(self) -> None:
+        """``grid.png``: the first and the last evaluation's kept samples, one row each."""
+        if len(self._grid_rows) < 2 or self.out is None:
+            return
+        (a, ca, sa), (b, cb, sb) = self._grid_rows[0], self._grid_rows[-1]
+        path = save_grid(
+            self.out / "grid.png",
+            torch.cat([a, b]),
+            [f"step {sa}: {c}" for c in ca] + [f"step {sb}: {c}" for c in cb],
+            ncols=a.shape[0],
+            title=f"{self.task.name or 'task'}: held-out samples before (top) and after "
+            "(bottom) training, fixed noise",
+        )
+        self.log["grid"] = str(path)
+        self._write()
 
     def abort(self, exc: BaseException) -> dict[str, Any]:
         """Close the log of a run stopped by ``exc`` (Ctrl-C or an error); keep every step.

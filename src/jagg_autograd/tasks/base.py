@@ -59,11 +59,17 @@ class GRPOTask(ABC):
     def eval_prompts(self) -> list[Any]:
         """The fixed held-out evaluation prompts (one entry per evaluation sample)."""
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Pictures ``(n, H, W, C)`` in [0, 1] for grids; default: the latents themselves."""
+    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """Pictures ``(n, H, W, C)`` in [0, 1] for grids, or None if latents are no pictures.
+
+        Default: latents ``(n, C, H, W)`` with C in (1, 3), or ``(n, H, W)``, in [-1, 1]
+        are the pictures themselves; any other latent shape gives None (no grid).
+        """
         x = latents.float()
         if x.dim() == 3:
             x = x.unsqueeze(1)
+        if x.dim() != 4 or x.shape[1] not in (1, 3):
+            return None
         return ((x.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1)
 
     def eval_breakdown(
