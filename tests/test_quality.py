@@ -1,5 +1,6 @@
-"""The quality study: its statistics on hand-made curves, lockstep == standalone runs,
-and the ``--quick`` mode end to end (JSON, markdown, plots).  No timing is asserted."""
+"""The quality study (second edition): its statistics on hand-made logs and curves, the
+paired aggregation and the targets, lockstep == standalone runs, the plan, --resume, and
+``--quick`` end to end on both tasks (JSON, markdown, plots).  No timing is asserted."""
 
 from __future__ import annotations
 
@@ -12,22 +13,26 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from benchmarks.quality import (
-    STUDIES,
+    DEFAULT,
+    TASKS,
     VARIANTS,
-    _run_seed_job,
+    _job_file,
+    _run_job,
     aggregate,
     auc,
-    calibrate,
-    finished_seed,
+    finished_job,
     mean_std,
+    missing_fields,
+    per_seed_summary,
+    plan,
     run_seed,
+    studies_for,
     target_rows,
     variant_config,
     wallclock_margin,
 )
 from jagg_autograd.trainer import train
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -35,82 +40,163 @@ def test_auc_and_mean_std():
     assert auc([0, 10], [0.2, 0.4]) == pytest.approx(0.3)
     assert auc([0, 1, 3], [0.0, 1.0, 1.0]) == pytest.approx((0.5 + 2.0) / 3)
     assert auc([5], [0.7]) == 0.7
-    ms = mean_std([1.0, 2.0, 3.0, float("nan")])
+    ms = mean_std([1.0, 2.0, 3.0, float("nan"), None])
     assert ms == {"mean": 2.0, "std": 1.0, "n": 3}
     assert mean_std([4.0])["std"] == 0.0 and math.isnan(mean_std([])["mean"])
 
 
-def _run(final: float, curve_t: list[float], curve_r: list[float], train_s: float) -> dict:
-    return {
-        "initial_reward": curve_r[0],
-        "final_reward": final,
-        "auc_reward": auc(range(len(curve_r)), curve_r),
-        "train_seconds": train_s,
-        "step_seconds": train_s + 1.0,
-        "median_train_step_seconds": train_s / 10,
-        "median_step_seconds": (train_s + 1) / 10,
-        "backward_passes_per_step": 4.0,
-        "backward_calls_per_step": 1.0,
-        "probe_cosine": 0.9,
-        "probe_rel_error": 0.3,
-        "routed_frac": 0.0,
-        "rollout_reward_last10": final,
-        "curves": {"eval_wall_seconds": curve_t, "eval_reward": curve_r},
-    }
+def _log(rewards, walls, train_s, probes=(0.98, 0.96), plan=None, cats=None) -> dict:
+    """A hand-made trainer log: 4 steps, evaluations at steps 0, 2, 4."""
+    steps = []
+    for i in range(4):
+        r = {
+            "step": i,
+            "reward_mean": 0.5,
+            "train_seconds": train_s / 4,
+            "rollout_seconds": 0.25,
+            "forward_samples": 40 + i,
+            "grad_samples": 16,
+            "anchor_frac": 0.4,
+            "routed_frac": 0.1 * i,
+        }
+        if i % 2 == 0:
+            r["probe_cosine"] = probes[i // 2]
+        if plan is not None:
+            r["plan_seconds"] = plan
+        steps.append(r)
+    evals = [
+        {"step": s, "mean_reward": y, "wall_seconds": t, **((cats or {}).get(s, {}))}
+        for s, y, t in zip((0, 2, 4), rewards, walls)
+    ]
+    return {"steps": steps, "evals": evals, "train_seconds": train_s, "rollout_seconds": 1.0}
+
+
+def test_per_seed_summary_of_a_hand_made_log():
+    cats = {0: {"counting": 0.2, "position": 0.1}, 4: {"counting": 0.5, "position": 0.3}}
+    s = per_seed_summary(_log([0.5, 0.7, 0.8], [0, 2, 4], 4.0, plan=0.1, cats=cats))
+    assert s["initial_reward"] == 0.5 and s["final_reward"] == 0.8
+    assert s["auc_reward"] == pytest.approx(((0.5 + 0.7) + (0.7 + 0.8)) / 2 / 2)
+    assert s["step_seconds"] == 5.0 and s["train_seconds"] == 4.0
+    assert s["forward_samples_per_step"] == pytest.approx(41.5)
+    assert s["grad_samples_per_step"] == 16
+    assert s["probe_cosine"] == pytest.approx(0.97) and s["probe_cosine_min"] == 0.96
+    assert s["routed_frac"] == pytest.approx(0.15) and s["anchor_frac"] == pytest.approx(0.4)
+    assert s["plan_frac"] == pytest.approx(0.4 / 4.0)
+    assert s["categories"] == {"initial": cats[0], "final": cats[4]}
+    assert s["curves"]["probe_step"] == [0, 2]
+    assert math.isnan(per_seed_summary(_log([0.5, 0.7, 0.8], [0, 2, 4], 4.0))["plan_frac"])
+
+
+def _runs(final, walls, train_s, cos=(0.98, 0.98)) -> dict:
+    return per_seed_summary(_log([0.5, (0.5 + final) / 2, final], walls, train_s, cos))
 
 
 def test_wallclock_margin_sign():
-    ex = _run(0.8, [0, 10, 20], [0.5, 0.7, 0.8], 20.0)
-    fast = _run(0.8, [0, 5, 10], [0.5, 0.7, 0.8], 10.0)  # same curve in half the time
-    slow = _run(0.8, [0, 20, 40], [0.5, 0.7, 0.8], 40.0)
+    ex = _runs(0.8, [0, 10, 20], 20.0)  # curve 0.5, 0.65, 0.8
+    fast = _runs(0.8, [0, 5, 10], 10.0)  # the same curve in half the time
+    slow = _runs(0.8, [0, 20, 40], 40.0)
     m = wallclock_margin([fast], [ex])
-    assert m["points"] == 2 and m["min"] > 0 and m["frac_above"] == 1.0
-    # exact at t=5 interpolates to 0.6, at t=10 to 0.7: margins 0.1 and 0.1
-    assert m["min"] == pytest.approx(0.1) and m["mean"] == pytest.approx(0.1)
+    # exact at t=5 interpolates to 0.575, at t=10 to 0.65: margins 0.075 and 0.15
+    assert m["points"] == 2 and m["frac_above"] == 1.0
+    assert m["min"] == pytest.approx(0.075) and m["mean"] == pytest.approx(0.1125)
     s = wallclock_margin([slow], [ex])
-    assert s["points"] == 1 and s["min"] < 0  # t=20: 0.7 vs exact's 0.8; t=40 is outside
+    assert s["points"] == 1 and s["min"] == pytest.approx(0.65 - 0.8)  # t=40 is outside
 
 
-def test_aggregate_targets_and_calibration_follow_the_numbers():
+def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
     per_seed = {}
-    for seed, shift in ((0, 0.0), (1, 0.01)):
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        e = 0.80 + shift
         per_seed[seed] = {
-            "exact": _run(0.80 + shift, [0, 10, 20], [0.5, 0.7, 0.80 + shift], 20.0),
-            "jagg_W4": _run(0.79 + shift, [0, 6, 12], [0.5, 0.69, 0.79 + shift], 12.0),
-            "router_t0.80": _run(0.70, [0, 8, 16], [0.5, 0.6, 0.70], 16.0),  # -12 %: fails
-            "router_t0.70": _run(0.80 + shift, [0, 7, 14], [0.5, 0.7, 0.80 + shift], 14.0),
-            "subsample_4": _run(0.75, [0, 5, 10], [0.5, 0.6, 0.75], 10.0),
+            "exact": _runs(e, [0, 10, 20], 20.0, (1.0, 1.0)),
+            DEFAULT: _runs(e - 0.004, [0, 4, 8], 8.0, (0.99, 0.975)),  # -0.5 %, 0.4 train
+            "eager": _runs(e - 0.04, [0, 6, 12], 12.0, (0.94, 0.94)),  # -5 %
+            "nft": _runs(0.70, [0, 10, 20], 20.0),  # as fast as exact, lower
+            "exact_fg2": _runs(e, [0, 15, 30], 30.0, (1.0, 1.0)),
+            f"{DEFAULT}_fg2": _runs(e, [0, 15, 30], 15.0, (0.99, 0.99)),
         }
-        per_seed[seed]["subsample_4"]["probe_cosine"] = 0.5
-    agg = aggregate(per_seed)
-    d = agg["jagg_W4"]["final_rel_diff"]
-    expect = [(0.79 - 0.80) / 0.80, (0.80 - 0.81) / 0.81]
-    assert d["mean"] == pytest.approx(sum(expect) / 2) and d["n"] == 2
-    assert agg["jagg_W4"]["train_seconds_ratio"]["mean"] == pytest.approx(0.6)
-    assert agg["exact"]["final_rel_diff"]["mean"] == 0.0
-    rows = {r["target"]: r for r in target_rows(agg)}
-    assert rows["final held-out reward of jagg_W4 within 2 % of exact"]["met"] is True
-    assert rows["final held-out reward of router_t0.80 within 2 % of exact"]["met"] is False
-    best = rows["training-phase wall-clock of the best JAGG variant <= 0.65 of exact"]
-    assert best["met"] is True and best["measured"] == pytest.approx(0.6)
-    cos = rows["gradient cosine to exact at equal budget: jagg_W4 above subsample_4"]
-    assert cos["met"] is True and cos["measured"] == pytest.approx(0.4)
-    cal = calibrate(agg)
-    assert cal["chosen"] == "router_t0.70" and "router_t0.80" not in cal["candidates"]
-    assert cal["jagg_W4_passes"] is True
+    memory = {"exact": 100, DEFAULT: 110, "eager": 400, "nft": 90, "exact_fg2": 50}
+    agg = aggregate(per_seed, {**memory, f"{DEFAULT}_fg2": None})
+    d = agg[DEFAULT]
+    want = [-0.004 / 0.80, -0.004 / 0.82]
+    assert (
+        d["final_rel_diff"]["mean"] == pytest.approx(sum(want) / 2)
+        and d["final_rel_diff"]["n"] == 2
+    )
+    assert d["final_diff"]["mean"] == pytest.approx(-0.004)
+    # AUC of the evenly spaced curve (0.5, (0.5 + f) / 2, f) is (1 + 2 f) / 4: half of -0.004
+    assert d["auc_diff"]["mean"] == pytest.approx(-0.002)
+    assert d["train_seconds_ratio"]["mean"] == pytest.approx(0.4)
+    assert d["step_seconds_ratio"]["mean"] == pytest.approx(9 / 21)
+    assert d["peak_saved_rel"] == pytest.approx(1.1) and agg["eager"]["peak_saved_rel"] == 4.0
+    assert agg["exact"]["final_rel_diff"]["mean"] == 0.0 and agg["exact"]["ref"] == "exact"
+    f2 = agg[f"{DEFAULT}_fg2"]
+    assert f2["ref"] == "exact_fg2" and f2["train_seconds_ratio"]["mean"] == pytest.approx(0.5)
+    assert f2["train_seconds_ratio_vs_exact"]["mean"] == pytest.approx(0.75)
+    assert f2["peak_saved_rel"] is None
+    assert agg["nft"]["wallclock_margin_vs_exact"]["points"] == 2
+    assert agg["nft"]["wallclock_margin_vs_exact"]["mean"] < 0  # 0.6, 0.7 vs 0.65, 0.8 (seed 0)
+
+    rows = {r["target"]: r for r in target_rows("digits", agg, per_seed)}
+    assert all(r["task"] == "digits" for r in rows.values())
+    assert rows[f"{DEFAULT}: final held-out reward within 1 % of exact"]["met"] is True
+    tr = rows[f"{DEFAULT}: training phase <= 0.45 of exact (on-policy minibatches)"]
+    assert tr["met"] is True and tr["measured"] == pytest.approx(0.4)
+    assert rows[f"{DEFAULT}: whole GRPO step <= 0.64 of exact"]["met"] is True
+    cos = rows[f"{DEFAULT}: gradient cosine to exact >= 0.97 along the run"]
+    assert cos["met"] is True and cos["measured"] == pytest.approx(0.975)
+    wc = rows[f"{DEFAULT}: reward vs wall-clock above exact at every evaluation after the initial"]
+    assert wc["met"] is True and wc["measured"] > 0
+    assert rows["exact GRPO raises the held-out reward"]["measured"] == pytest.approx(0.31)
+    nft = rows["nft vs exact: reward vs wall-clock (stated)"]
+    assert nft["met"] is None and "exact ahead" in nft["detail"]
+
+    # A default 5 % below exact, and a cosine dip below 0.97 at one probe, fail.
+    for s in per_seed:
+        e = per_seed[s]["exact"]["final_reward"]
+        per_seed[s][DEFAULT] = _runs(0.95 * e, [0, 4, 8], 8.0, (0.99, 0.96))
+    rows = {r["target"]: r for r in target_rows("digits", aggregate(per_seed), per_seed)}
+    assert rows[f"{DEFAULT}: final held-out reward within 1 % of exact"]["met"] is False
+    assert rows[f"{DEFAULT}: gradient cosine to exact >= 0.97 along the run"]["met"] is False
 
 
-def test_lockstep_equals_standalone_runs():
-    """Interleaving the variants' steps in one process changes nothing in any run."""
-    study = dict(STUDIES["quick"], steps=2)
-    names = ["exact", "subsample_4", "mixgrpo_W4", "router_f0.50"]
-    logs = run_seed(3, names, study, progress=False)
+def test_every_task_runs_exact_and_the_default_and_the_plan_fits():
+    for t, st in TASKS.items():
+        assert "exact" in st["variants"] and DEFAULT in st["variants"], t
+        assert set(st["variants"]) <= set(VARIANTS)
+    assert len(TASKS["digits"]["seeds"]) >= 4 and len(TASKS["shapes"]["seeds"]) >= 3
+    assert "adaptive_b3" not in TASKS["shapes"]["variants"]
+    studies = studies_for(["digits", "shapes"], quick=False)
+    p2, p1 = plan(studies, 2), plan(studies, 1)
+    assert p2["runs"] == sum(len(s["seeds"]) * len(s["variants"]) for s in studies.values())
+    assert p1["minutes"] == pytest.approx(p1["worker_seconds"] / 60)
+    assert p1["minutes"] / 2 <= p2["minutes"] < p1["minutes"]
+    assert p2["minutes"] <= 120  # the issue's budget on 2 cores
+    assert studies_for(["shapes"], quick=True, steps=5)["shapes"]["steps"] == 5
+
+
+def test_lockstep_equals_standalone_runs_and_shares_prompts():
+    """Interleaving the variants' steps in one process changes nothing in any run, and
+    every variant of a seed trains on the same prompts (reseeded per step)."""
+    study = studies_for(["digits"], quick=True, steps=3)["digits"]
+    names = [
+        n
+        for n in ("exact", DEFAULT, "subsample_4", "mixgrpo_W4", "nft")
+        if n not in missing_fields()
+    ]
+    logs = run_seed("digits", 3, names, study, progress=False)
     for n in names:
-        alone = train(variant_config(n, 3, study))
+        alone = run_seed("digits", 3, [n], study, progress=False)[n]
         for key in ("steps", "evals"):
             a = [{k: v for k, v in r.items() if "seconds" not in k} for r in alone[key]]
             b = [{k: v for k, v in r.items() if "seconds" not in k} for r in logs[n][key]]
             assert a == b, (n, key)
+    prompts = {n: [r["prompts"] for r in logs[n]["steps"]] for n in names}
+    assert all(p == prompts["exact"] for p in prompts.values()), prompts
+    assert len({str(p) for p in prompts["exact"]}) > 1  # fresh prompts every step
+    # Without the reseeding, subsample_4's step draws shift the trainer's stream.
+    plain = train(variant_config("subsample_4", 3, "digits", study))
+    assert [r["prompts"] for r in plain["steps"]] != prompts["subsample_4"]
 
 
 @pytest.fixture(scope="module")
@@ -120,49 +206,61 @@ def quick_run(run_benchmark) -> Path:
 
 def test_quick_json(quick_run: Path):
     res = json.loads((quick_run / "quality.json").read_text())
-    agg = res["aggregate"]
-    assert set(agg) == set(VARIANTS)
-    assert res["study"]["steps"] == 3 and res["study"]["seeds"] == [0]
-    passes = {n: a["backward_passes_per_step"]["mean"] for n, a in agg.items()}
-    assert passes["exact"] == 10
-    # Equal backward budget: 4 anchors (T=10, W=4 shared) = 4 subsampled steps = 4 window steps.
-    assert passes["jagg_W4"] == passes["subsample_4"] == passes["mixgrpo_W4"] == 4
-    assert passes["jagg_W4_disjoint"] == 6 and passes["jagg_W3_disjoint"] == 7
-    assert agg["exact"]["probe_cosine"]["mean"] == pytest.approx(1.0, abs=1e-9)
-    assert agg["exact"]["probe_rel_error"]["mean"] < 1e-12
-    for n, a in agg.items():
-        assert -1.0 <= a["probe_cosine"]["mean"] <= 1.0
-        assert 0.0 <= a["routed_frac"]["mean"] <= 1.0
-        if not n.startswith("router_"):
-            assert a["routed_frac"]["mean"] == 0.0 or n == "exact"
-        assert a["train_seconds_ratio"]["mean"] > 0
-    # every seed-variant has its ODE evaluation curve at every step (eval_every=1) + final
-    curves = res["per_seed"]["0"]["jagg_W4"]["curves"]
-    assert curves["eval_step"] == [0, 1, 2, 3] and len(curves["probe_cosine"]) == 3
-    assert {r["target"].split(" ")[0] for r in res["targets"]} >= {"final", "reward", "gradient"}
-    assert res["calibration"]["rule"]
+    assert set(res["tasks"]) == {"digits", "shapes"}
+    miss = missing_fields()
+    for task, t in res["tasks"].items():
+        agg = t["aggregate"]
+        assert set(agg) == {n for n in TASKS[task]["variants"] if n not in miss}
+        assert t["study"]["steps"] == 2 and t["study"]["seeds"] == [0]
+        B = t["study"]["prompts_per_step"] * t["study"]["group_size"]
+        grad = {n: a["grad_samples_per_step"]["mean"] for n, a in agg.items()}
+        fwd = {n: a["forward_samples_per_step"]["mean"] for n, a in agg.items()}
+        # T = 10: exact runs every step with grad; equal backward budget of 4 per sample.
+        assert grad["exact"] == fwd["exact"] == 10 * B
+        assert grad["subsample_4"] == grad["mixgrpo_W4"] == grad["eager"] == 4 * B
+        assert fwd["eager"] == 10 * B and fwd["uniform"] == grad["uniform"] == 4 * B
+        assert agg["exact"]["probe_cosine"]["mean"] == pytest.approx(1.0, abs=1e-6)
+        if t["memory"]["exact"] is not None:  # a trainer with track_memory
+            assert agg["exact"]["peak_saved_rel"] == pytest.approx(1.0)
+            # The eager path keeps every window's graph; the deferred one the per-step loop's.
+            assert agg["uniform"]["peak_saved_rel"] < agg["eager"]["peak_saved_rel"]
+        for n, a in agg.items():
+            if n != "nft":
+                assert -1.0 <= a["probe_cosine"]["mean"] <= 1.0
+            assert a["train_seconds_ratio"]["mean"] > 0
+            assert a["ref"] == ("exact_fg2" if n.endswith("_fg2") else "exact")
+        curves = t["per_seed"]["0"][DEFAULT]["curves"]
+        assert curves["eval_step"] == ([0, 1, 2] if task == "digits" else [0, 2])
+        assert t["prompts_differ"] == []
+    cats = res["tasks"]["shapes"]["aggregate"]["exact"]["categories"]["final"]
+    assert {"counting", "position", "color_attr"} <= set(cats)
+    targets = {(r["task"], r["target"].split(":")[0]) for r in res["targets"]}
+    assert ("shapes", DEFAULT) in targets and ("digits", DEFAULT) in targets
 
 
 def test_quick_markdown_and_plots(quick_run: Path):
     md = (quick_run / "QUALITY.md").read_text()
-    for s in ("## Targets", "## Router calibration", "| jagg_W4 |", "| subsample_4 |"):
+    for s in ("## Targets", "## digits", "## shapes", f"| {DEFAULT} |", "| single_object |"):
         assert s in md
-    for name in ("reward_vs_step.png", "reward_vs_wallclock.png", "cosine_vs_step.png"):
-        data = (quick_run / name).read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 5000
+    for task in ("digits", "shapes"):
+        for name in ("reward_vs_step", "reward_vs_wallclock", "cosine_vs_step"):
+            data = (quick_run / f"{name}_{task}.png").read_bytes()
+            assert data[:8] == PNG_MAGIC and len(data) > 5000
 
 
 def test_raw_logs_kept_and_resumable(tmp_path: Path):
-    """Each finished seed's raw log is written atomically and recognised by --resume; a
+    """Each finished job's raw log is written atomically and recognised by --resume; a
     changed setting or a truncated file runs again."""
-    study = dict(STUDIES["quick"], steps=1, eval_every=1, probe_every=0)
-    names = ["exact", "jagg_W4"]
-    _run_seed_job((5, names, study, str(tmp_path), False))
-    raw = tmp_path / "seed5.json"
-    assert finished_seed(raw, 5, names, study)
-    assert not finished_seed(raw, 5, names, dict(study, steps=2))
-    assert not finished_seed(raw, 5, ["exact"], study)
-    assert not finished_seed(raw, 6, names, study)  # another seed's settings
+    study = studies_for(["digits"], quick=True, steps=1, probe_every=0)["digits"]
+    names = ["exact", DEFAULT]
+    _run_job(("digits", 5, names, study, str(tmp_path), False))
+    _run_job(("digits", None, names, study, str(tmp_path), False))
+    raw = _job_file(tmp_path, "digits", 5)
+    assert finished_job(raw, "digits", 5, names, study)
+    assert finished_job(_job_file(tmp_path, "digits", None), "digits", None, names, study)
+    assert not finished_job(raw, "digits", 5, names, dict(study, steps=2))
+    assert not finished_job(raw, "digits", 5, ["exact"], study)
+    assert not finished_job(raw, "digits", 6, names, study)  # another seed's settings
     raw.write_text(raw.read_text()[:100])
-    assert not finished_seed(raw, 5, names, study)
+    assert not finished_job(raw, "digits", 5, names, study)
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
