@@ -328,6 +328,8 @@ def test_values_path_on_policy_ratio_one_and_forward_count():
     # round(budget * B) = 24 anchors on-policy; off-policy, clipped ratios have zero upstream
     # gradient and their steps need no anchor
     assert 0 < r4["grad_samples"] <= 2 * 3 * 8
+    assert r4["plan_seconds"] > 0.0  # the planner ran (in the backward) and was timed
+    assert r1["plan_seconds"] >= 0.0
     # the gradient probe measures the same estimator (values from the probe's own rollout)
     pr = train(GRPOConfig(**dict(kw, num_steps=6, window=3), probe_every=1))["steps"][0]
     assert 0.5 < pr["probe_cosine"] <= 1.0

@@ -1531,6 +1531,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
     keys = ("loss", "clipfrac", "approx_kl", "ratio_min", "ratio_max", "grad_norm", "kl")
     acc: dict[str, list[float]] = {k: [] for k in keys}
     routed, paths, grad_calls, grad_samples, pairs = [], [], 0, 0, 0
+    plan_s = 0.0  # adaptive placement's planning time (inside the backward)
     passes = 0  # loss.backward() calls (the step loops run one per trained step)
     phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     opt_steps = 0
@@ -1553,6 +1554,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
             gs, calls = _stats_cost(cost)
             grad_samples += gs
             grad_calls += calls
+            plan_s += float(getattr(cost.get("stats"), "plan_seconds", 0.0) or 0.0)
             pairs += cost["pairs"]
             routed.append(cost["routed_frac"])
             paths.append(cost["path"])
@@ -1607,6 +1609,7 @@ def _grpo_step(tr: GRPOTrainer) -> dict[str, Any]:
         "rollout_seconds": t1 - t0,
         "train_seconds": t2 - t1,
         "reference_seconds": t_ref - t1,
+        "plan_seconds": plan_s,
         **{f"{k}_seconds": v for k, v in phase.items()},
     }
     if acc["kl"]:
