@@ -14,10 +14,11 @@ defaults do not change them):
 * ``exact``: every step with grad, Flow-GRPO's per-step forward + backward loop
   (``exact_loop=True``; also the reference of the memory figures);
 * ``eager``: today's eager JAGG (W = 4, shared anchors, CosineRouter 0.7, no jagg_frac);
-* ``uniform``: values + deferred backward, uniform anchors (W = 4 shared);
+* ``uniform``: values + deferred backward, uniform anchors (W = 4 shared): the default
+  this study chose (:data:`DEFAULT`);
 * ``adaptive_b{3,4,5}``: values + deferred, adaptive placement at budget 3 / 4 / 5
-  anchors per sample (of T = 10 steps); ``adaptive_b4`` is the candidate default
-  (:data:`DEFAULT`); on shapes only b4;
+  anchors per sample (of T = 10 steps); ``adaptive_b4`` was the candidate default the
+  issue proposed (targets are reported for both, :data:`CANDIDATES`); on shapes only b4;
 * ``subsample_4`` (DanceGRPO, 4 random steps per sample) and ``mixgrpo_W4`` (MixGRPO's
   sliding SDE window of 4): the backward budget of W = 4 shared anchors;
 * ``nft``: a DiffusionNFT-style forward-process method (no log-probs, no per-step
@@ -90,7 +91,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager_fg2": {**_PLAIN, "mode": "router", "threshold": 0.7, "jagg_frac": None, **_FG2},
     "adaptive_b4_fg2": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 4.0, **_FG2},
 }
-DEFAULT = "adaptive_b4"  # the candidate default (values + deferred + adaptive, budget 4)
+# The default this study chose (values + deferred, uniform anchors: on digits its final
+# reward equals exact's, +0.02 %, at 0.46 of the training time) and the candidate the
+# issue proposed (adaptive placement, budget 4: -2.5 % on digits); targets for both.
+DEFAULT = "uniform"
+CANDIDATES = (DEFAULT, "adaptive_b4")
 FG2 = [n for n in VARIANTS if n.endswith("_fg2")]
 
 # Per task: its settings and variants.  The shapes numbers are placeholders (to be tuned).
@@ -109,15 +114,23 @@ TASKS: dict[str, dict[str, Any]] = {
     },
     "shapes": {
         "seeds": [0, 1, 2],
-        "steps": 60,
-        "eval_every": 10,
-        "probe_every": 10,
+        "steps": 60,  # 24 min per seed: 3 seeds + digits fit the 120 min on 2 workers
+        "eval_every": 20,
+        "probe_every": 20,  # a shapes probe costs ~9 s (two full-SDE gradients)
         "eval_per_digit": 1,  # only gates the evaluation; its size is eval_per_category
         "task_options": {"eval_per_category": 16},  # 96 held-out prompts
         "prompts_per_step": 8,
         "group_size": 4,
-        "lr": 3e-4,
-        "variants": [n for n in VARIANTS if n not in ("adaptive_b3", "adaptive_b5")],
+        # lr trials on the shipped shapes model (eager JAGG, ODE eval 0.304 at the start): at
+        # step 60, 3e-5 -> 0.335 and 1e-4 -> 0.295 (flat); larger lr made pictures worse.
+        "lr": 3e-5,
+        # Budget 4 only (the issue); the Flow-GRPO-structure variants run on digits only:
+        # with them a shapes seed would not fit the 120-minute budget (see COSTS).
+        "variants": [
+            n
+            for n in VARIANTS
+            if n not in ("adaptive_b3", "adaptive_b5") and not n.endswith("_fg2")
+        ],
     },
 }
 QUICK: dict[str, dict[str, Any]] = {
@@ -147,15 +160,18 @@ COSTS: dict[str, dict[str, Any]] = {
         },
         "eval": 0.50, "probe": 0.38, "init": 0.1,
     },
+    # Measured on the first (width-64) shapes model, then x 2.2: the shipped width-128
+    # model's eager step took 1.13 + 2.32 s against 0.54 + 0.98 s (medians of 75 steps,
+    # another run on the second core), its evaluation 3.7 s.
     "shapes": {
         "step": {
-            "exact": (0.546, 1.411), "eager": (0.539, 0.977), "uniform": (0.511, 0.627),
-            "adaptive_b4": (0.519, 0.592), "subsample_4": (0.506, 0.531),
-            "mixgrpo_W4": (0.497, 0.540), "nft": (0.503, 0.771),
-            "exact_fg2": (0.535, 1.436), "eager_fg2": (0.543, 1.046),
-            "adaptive_b4_fg2": (0.515, 0.917),
+            "exact": (1.20, 3.10), "eager": (1.19, 2.15), "uniform": (1.12, 1.38),
+            "adaptive_b4": (1.14, 1.30), "subsample_4": (1.11, 1.17),
+            "mixgrpo_W4": (1.09, 1.19), "nft": (1.11, 1.70),
+            "exact_fg2": (1.18, 3.16), "eager_fg2": (1.19, 2.30),
+            "adaptive_b4_fg2": (1.13, 2.02),
         },
-        "eval": 1.64, "probe": 4.04, "init": 0.3,
+        "eval": 3.7, "probe": 8.9, "init": 0.5,
     },
 }  # fmt: skip
 PLAN_MARGIN = 1.3  # assumed (not measured): two workers on 2 shared, busy cores
@@ -485,7 +501,7 @@ def aggregate(
             for k in ("train_seconds", "step_seconds"):
                 agg[f"{k}_ratio_vs_exact"] = mean_std([r[k] / e[k] for r, e in zip(runs, ex1)])
         if n == "nft":
-            for other in ("exact", DEFAULT):
+            for other in ("exact", *CANDIDATES):
                 if other in names:
                     agg[f"wallclock_margin_vs_{other}"] = wallclock_margin(
                         runs, [per_seed[s][other] for s in seeds]
@@ -531,7 +547,6 @@ def target_rows(
         rows.append({"task": task, "target": target, "measured": measured, "met": met,
                      "detail": detail})  # fmt: skip
 
-    d = DEFAULT
     gain = _m(agg, "exact", "final_reward") - _m(agg, "exact", "initial_reward")
     add(
         "exact GRPO raises the held-out reward",
@@ -539,56 +554,57 @@ def target_rows(
         gain > 0,
         f"{_m(agg, 'exact', 'initial_reward'):.4f} -> {_m(agg, 'exact', 'final_reward'):.4f}",
     )
-    rd = _m(agg, d, "final_rel_diff")
-    std = agg.get(d, {}).get("final_rel_diff", {}).get("std", math.nan)
-    add(
-        f"{d}: final held-out reward within 1 % of exact",
-        rd,
-        rd >= -REL_TOLERANCE,
-        f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %)",
-    )
-    tr = _m(agg, d, "train_seconds_ratio")
-    add(
-        f"{d}: training phase <= {TARGET_TRAIN_RATIO} of exact (on-policy minibatches)",
-        tr,
-        tr <= TARGET_TRAIN_RATIO,
-        "one optimizer step per rollout: every minibatch on-policy",
-    )
-    sr = _m(agg, d, "step_seconds_ratio")
-    add(
-        f"{d}: whole GRPO step <= {TARGET_STEP_RATIO} of exact",
-        sr,
-        sr <= TARGET_STEP_RATIO,
-        "rollout + training phase, one optimizer step per rollout",
-    )
-    f2 = f"{d}_fg2"
-    if f2 in agg:
+    for d in [n for n in CANDIDATES if n in agg]:
+        rd = _m(agg, d, "final_rel_diff")
+        std = agg.get(d, {}).get("final_rel_diff", {}).get("std", math.nan)
         add(
-            f"{f2}: training phase / exact_fg2 (Flow-GRPO structure, stated)",
-            _m(agg, f2, "train_seconds_ratio"),
-            None,
-            f"whole step {_m(agg, f2, 'step_seconds_ratio'):.3f} of exact_fg2; final reward "
-            f"{100 * _m(agg, f2, 'final_rel_diff'):+.2f} % vs exact_fg2",
+            f"{d}: final held-out reward within 1 % of exact",
+            rd,
+            rd >= -REL_TOLERANCE,
+            f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %)",
         )
-    cm, cmin = _m(agg, d, "probe_cosine"), cosine_curve_min(per_seed, d)
-    ce = _m(agg, "eager", "probe_cosine")
-    add(
-        f"{d}: gradient cosine to exact >= {TARGET_COSINE} along the run",
-        cmin,
-        cmin >= TARGET_COSINE,
-        f"min over probe steps of the seed mean {cmin:.4f}, mean {cm:.4f} (eager: {ce:.4f})",
-    )
-    w = agg.get(d, {}).get("wallclock_margin", {"points": 0})
-    add(
-        f"{d}: reward vs wall-clock above exact at every evaluation after the initial",
-        w["min"] if w["points"] else math.nan,
-        w["points"] > 0 and w["min"] > 0,
-        f"min margin {w['min']:+.4f}, mean {w['mean']:+.4f}, above at "
-        f"{100 * w['frac_above']:.0f} % of {w['points']} points"
-        if w["points"]
-        else "no data",
-    )
-    for other in ("exact", d):
+        tr = _m(agg, d, "train_seconds_ratio")
+        add(
+            f"{d}: training phase <= {TARGET_TRAIN_RATIO} of exact (on-policy minibatches)",
+            tr,
+            tr <= TARGET_TRAIN_RATIO,
+            "one optimizer step per rollout: every minibatch on-policy",
+        )
+        sr = _m(agg, d, "step_seconds_ratio")
+        add(
+            f"{d}: whole GRPO step <= {TARGET_STEP_RATIO} of exact",
+            sr,
+            sr <= TARGET_STEP_RATIO,
+            "rollout + training phase, one optimizer step per rollout",
+        )
+        f2 = f"{d}_fg2"
+        if f2 in agg:
+            add(
+                f"{f2}: training phase / exact_fg2 (Flow-GRPO structure, stated)",
+                _m(agg, f2, "train_seconds_ratio"),
+                None,
+                f"whole step {_m(agg, f2, 'step_seconds_ratio'):.3f} of exact_fg2; final reward "
+                f"{100 * _m(agg, f2, 'final_rel_diff'):+.2f} % vs exact_fg2",
+            )
+        cm, cmin = _m(agg, d, "probe_cosine"), cosine_curve_min(per_seed, d)
+        ce = _m(agg, "eager", "probe_cosine")
+        add(
+            f"{d}: gradient cosine to exact >= {TARGET_COSINE} along the run",
+            cmin,
+            cmin >= TARGET_COSINE,
+            f"min over probe steps of the seed mean {cmin:.4f}, mean {cm:.4f} (eager: {ce:.4f})",
+        )
+        w = agg.get(d, {}).get("wallclock_margin", {"points": 0})
+        add(
+            f"{d}: reward vs wall-clock above exact at every evaluation after the initial",
+            w["min"] if w["points"] else math.nan,
+            w["points"] > 0 and w["min"] > 0,
+            f"min margin {w['min']:+.4f}, mean {w['mean']:+.4f}, above at "
+            f"{100 * w['frac_above']:.0f} % of {w['points']} points"
+            if w["points"]
+            else "no data",
+        )
+    for other in ("exact", *[n for n in CANDIDATES if n in agg]):
         w = agg.get("nft", {}).get(f"wallclock_margin_vs_{other}", {"points": 0})
         if w["points"]:
             lead = "nft ahead" if w["mean"] > 0 else f"{other} ahead"
@@ -687,7 +703,7 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
             f"the per-step loop: {_num(ex['peak_saved_bytes'], '.3g')} (one extra untimed "
             "step per variant, seed 0's initial weights, track_memory=True).",
         ]
-    cat_rows = [n for n in ("exact", DEFAULT) if n in agg and agg[n]["categories"]["final"]]
+    cat_rows = [n for n in ("exact", *CANDIDATES) if n in agg and agg[n]["categories"]["final"]]
     if cat_rows:
         cats = list(agg[cat_rows[0]]["categories"]["final"])
         lines += [

@@ -144,3 +144,31 @@ def test_nan_reward_raises(monkeypatch):
     )  # fmt: skip
     with pytest.raises(ValueError, match="rewards has non-finite values at index \\[1\\]"):
         trainer.train(cfg)
+
+
+def test_task_demo_defaults_apply_unless_a_flag_is_given(monkeypatch):
+    """``--task X`` takes X's ``demo_defaults`` (lr, steps, ...) where no flag is given."""
+    import jagg_autograd.demo as demo_mod
+    from jagg_autograd.tasks.digits import DigitsTask
+
+    class Tuned(DigitsTask):
+        demo_defaults = {"lr": 3e-4, "steps": 7, "eval_every": 2}
+
+    monkeypatch.setattr(demo_mod, "task_factory", lambda name: Tuned)
+    parser = build_parser()
+    argv = ["--lr", "1e-5"]
+    args = parser.parse_args(argv)
+    parser.set_defaults(**demo_mod._task_demo_defaults(args.task))
+    cfg = config_from_args(parser.parse_args(argv))
+    assert cfg.lr == 1e-5 and cfg.steps == 7 and cfg.eval_every == 2
+    Tuned.demo_defaults = {"not_a_flag": 1}
+    with pytest.raises(ValueError, match="not_a_flag"):
+        demo_mod._task_demo_defaults("digits")
+
+
+def test_shapes_demo_defaults_are_demo_flags():
+    from jagg_autograd.demo import _task_demo_defaults
+    from jagg_autograd.tasks.shapes import ShapesTask
+
+    d = _task_demo_defaults("shapes")
+    assert d == ShapesTask.demo_defaults and d  # the shapes demo has its own settings

@@ -263,11 +263,16 @@ def test_random_timestep_fraction_is_the_subsample_baseline():
 
 
 def test_prefix_fraction_trains_the_first_steps():
-    log = train(GRPOConfig(**dict(TINY, num_steps=6, window=3), timestep_fraction=0.5))
+    kw = dict(TINY, num_steps=6, window=3, timestep_fraction=0.5)
+    log = train(GRPOConfig(**kw, reuse_values=False, deferred=False))  # the eager path
     r = log["steps"][0]
     assert log["config"]["num_train_steps"] == 3
     assert r["forward_samples"] == 3 * 4  # 3 steps x B=4, nothing else forwarded
     assert r["grad_samples"] == 2 * 4  # anchors 0 and 2 of the 3-step window
+    # the defaults (rollout velocities reused on-policy): only the anchors are forwarded
+    r = train(GRPOConfig(**kw))["steps"][0]
+    assert r["paths"] == ["values+deferred"]
+    assert r["forward_samples"] == r["grad_samples"] == 2 * 4
 
 
 def test_kl_reference_once_per_rollout_and_zero_at_start():

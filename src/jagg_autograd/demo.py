@@ -14,8 +14,9 @@ import importlib.util
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from jagg_autograd.tasks import task_names
+from jagg_autograd.tasks import task_factory, task_names
 from jagg_autograd.trainer import (
     MODES,
     PLACEMENTS,
@@ -224,6 +225,17 @@ _FIELDS = (
 )  # fmt: skip
 
 
+def _task_demo_defaults(name: str) -> dict[str, Any]:
+    """``demo_defaults`` of the registered task ``name`` (its class attribute, read without
+    building the task), restricted to the demo's flags."""
+    factory = task_factory(name)
+    defaults = dict(getattr(factory, "demo_defaults", {}) or {})
+    unknown = sorted(set(defaults) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"task {name!r}: demo_defaults has no demo flag(s) {unknown}")
+    return defaults
+
+
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """A validated :class:`GRPOConfig` from parsed arguments (``ValueError`` if bad)."""
     mgn = args.max_grad_norm
@@ -249,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The task's own demo defaults (e.g. the shapes task's lr and steps) replace the
+    # GRPOConfig defaults, never a flag given on the command line: parse again with them.
+    task_defaults = _task_demo_defaults(args.task)
+    if task_defaults:
+        parser.set_defaults(**task_defaults)
+        args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

@@ -232,10 +232,10 @@ class GRPOConfig:
     batching: str = "stacked"
     """jagg_trajectory batching: "stacked" (fewest model calls) or "per_step"
     (bit-identical to the rollout)."""
-    reuse_values: bool = False
+    reuse_values: bool = True
     """On-policy minibatches pass the rollout's velocities as ``values=`` (deferred
     backward, no forward but the anchors'); modes jagg and router only."""
-    deferred: bool = False
+    deferred: bool = True
     """jagg_trajectory(deferred=True) on every minibatch: anchors run with grad in the
     backward, chunk by chunk (per-step-loop activation memory)."""
     placement: str = "uniform"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +31,10 @@ class GRPOTask(ABC):
     latent_shape: tuple[int, ...] = ()
     #: most distinct prompts one rollout may draw (None: no limit); checked by the config.
     max_prompts: int | None = None
+    #: :class:`~jagg_autograd.trainer.GRPOConfig` fields that ``jagg-demo --task <name>``
+    #: uses for this task unless given on the command line (e.g. its learning rate and
+    #: step count); the trainer itself never reads them.
+    demo_defaults: ClassVar[dict[str, Any]] = {}
 
     @abstractmethod
     def velocity_model(self) -> nn.Module:
