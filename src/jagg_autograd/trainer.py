@@ -160,8 +160,13 @@ class GRPOConfig:
       taken and ``clip_range`` (Flow-GRPO's 1e-4, kept) only acts with
       ``optimizer_steps_per_rollout > 1`` or ``num_inner_epochs > 1``, on the minibatches
       trained after an earlier optimizer step of the same rollout;
-    * ``reuse_values``, ``deferred`` off and ``placement="uniform"``: today's eager JAGG
-      path (the quality study sets these defaults).
+    * ``reuse_values`` and ``deferred`` on, ``placement="uniform"`` (4 anchors of 10
+      steps), no router: the second quality study (``python -m benchmarks.quality``,
+      digits, 4 seeds x 60 steps) measured this final held-out reward +0.02 % of exact
+      GRPO's at 0.463 of its training time (0.614 of the whole step), peak saved bytes at
+      the per-step loop's; today's eager path (W = 4 + router 0.7) +0.19 % at 0.582;
+      adaptive placement -2.5 % (budget 4), +1.5 % (3) and -7.9 % (5): see
+      ``benchmarks/results/quality2/QUALITY.md``.
     """
 
     task: str = "digits"
@@ -188,7 +193,9 @@ class GRPOConfig:
     shift: float = 3.0
     """Shift of the "shifted" schedule."""
     mode: str = "jagg"
-    """Gradient: "exact" (every step with grad), "jagg", "router" (JAGG + CosineRouter),
+    """(No router by default: in the quality study eager JAGG + router 0.7 routed 1 % of
+    windows on digits and 2.4 % on shapes for no reward difference, +0.19 % vs +0.02 %.)
+    Gradient: "exact" (every step with grad), "jagg", "router" (JAGG + CosineRouter),
     or the baselines "subsample" (DanceGRPO), "mixgrpo" (MixGRPO's sliding window) and
     "nft" (DiffusionNFT's forward-process loss, :mod:`jagg_autograd.nft`: no log-probs)."""
     exact_loop: bool = True
@@ -233,13 +240,20 @@ class GRPOConfig:
     """jagg_trajectory batching: "stacked" (fewest model calls) or "per_step"
     (bit-identical to the rollout)."""
     reuse_values: bool = True
-    """On-policy minibatches pass the rollout's velocities as ``values=`` (deferred
-    backward, no forward but the anchors'); modes jagg and router only."""
+    """(Default from the quality study: with ``deferred`` the training phase is 0.463 of
+    exact GRPO's on digits, final reward +0.02 %.)  On-policy minibatches pass the
+    rollout's velocities as ``values=`` (deferred backward, no forward but the anchors');
+    modes jagg and router only."""
     deferred: bool = True
-    """jagg_trajectory(deferred=True) on every minibatch: anchors run with grad in the
+    """(Default from the quality study: peak saved bytes 1.00x the per-step loop's on
+    digits, 1.02x on shapes, where the eager path needed 3.98x / 4.01x.)
+    jagg_trajectory(deferred=True) on every minibatch: anchors run with grad in the
     backward, chunk by chunk (per-step-loop activation memory)."""
     placement: str = "uniform"
-    """Anchor placement: "uniform" (the window layout) or "adaptive" (chosen in the
+    """(Default from the quality study: adaptive placement at 4 anchors per 10 steps had the
+    higher gradient cosine, 0.962 vs 0.943, but learned less on all 4 digits seeds, -2.5 %
+    final reward, and ran slower, 0.475 vs 0.463 of exact.)  Anchor placement: "uniform"
+    (the window layout) or "adaptive" (chosen in the
     backward from the upstream gradients, so every minibatch runs deferred, on-policy with
     values or off-policy without; mode="router" always uses "uniform")."""
     budget: float | None = None
