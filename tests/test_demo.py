@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_task_demo_defaults_apply_unless_a_flag_is_given(monkeypatch):
     from jagg_autograd.tasks.digits import DigitsTask
 
     class Tuned(DigitsTask):
-        demo_defaults = {"lr": 3e-4, "steps": 7, "eval_every": 2}
+        demo_defaults: ClassVar[dict[str, Any]] = {"lr": 3e-4, "steps": 7, "eval_every": 2}
 
     monkeypatch.setattr(demo_mod, "task_factory", lambda name: Tuned)
     parser = build_parser()
