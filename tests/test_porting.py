@@ -219,14 +219,22 @@ def _run(dtype, mode, use_values=False):
     return g_ref, g_port, upd_ref, upd_port, ratios
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-10)])
-def test_exact_port_equals_flowgrpo_loop(dtype, tol):
+# (dtype, gradient tolerance, update tolerance).  The float64 row proves the math (1e-10
+# for both).  In float32 the gradient agrees to ~6e-8; the parameter update after a whole
+# epoch of AdamW steps amplifies round-off (Adam divides each gradient by its own running
+# RMS, so parameters with tiny gradients carry relative round-off into the update): we
+# measured 8.2e-7 and 1.007e-6 on two CI runs of the same code (2 threads, summation
+# order), so its tolerance is 5e-6 rather than the gradient's 1e-6.
+@pytest.mark.parametrize(
+    "dtype, tol, tol_upd", [(torch.float32, 1e-6, 5e-6), (torch.float64, 1e-10, 1e-10)]
+)
+def test_exact_port_equals_flowgrpo_loop(dtype, tol, tol_upd):
     g_ref, g_port, upd_ref, upd_port, _ = _run(dtype, "exact")
     assert float(g_ref.abs().min()) >= 0 and float(g_ref.norm()) > 0
     e_grad, e_upd = _rel(g_port, g_ref), _rel(upd_port, upd_ref)
     print(f"\n[porting] {dtype}: first-sync gradient rel err {e_grad:.2e}, "
           f"parameter update after the epoch rel err {e_upd:.2e}")  # fmt: skip
-    assert e_grad <= tol and e_upd <= tol
+    assert e_grad <= tol and e_upd <= tol_upd
 
 
 def test_jagg_port_cosine_and_on_policy_ratios():

@@ -113,10 +113,10 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
             "eager": _runs(e - 0.04, [0, 6, 12], 12.0, (0.94, 0.94)),  # -5 %
             "nft": _runs(0.70, [0, 10, 20], 20.0),  # as fast as exact, lower
             "exact_fg2": _runs(e, [0, 15, 30], 30.0, (1.0, 1.0)),
-            f"{DEFAULT}_fg2": _runs(e, [0, 15, 30], 15.0, (0.99, 0.99)),
+            "adaptive_b4_fg2": _runs(e, [0, 15, 30], 15.0, (0.99, 0.99)),
         }
     memory = {"exact": 100, DEFAULT: 110, "eager": 400, "nft": 90, "exact_fg2": 50}
-    agg = aggregate(per_seed, {**memory, f"{DEFAULT}_fg2": None})
+    agg = aggregate(per_seed, {**memory, "adaptive_b4_fg2": None})
     d = agg[DEFAULT]
     want = [-0.004 / 0.80, -0.004 / 0.82]
     assert (
@@ -130,7 +130,7 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
     assert d["step_seconds_ratio"]["mean"] == pytest.approx(9 / 21)
     assert d["peak_saved_rel"] == pytest.approx(1.1) and agg["eager"]["peak_saved_rel"] == 4.0
     assert agg["exact"]["final_rel_diff"]["mean"] == 0.0 and agg["exact"]["ref"] == "exact"
-    f2 = agg[f"{DEFAULT}_fg2"]
+    f2 = agg["adaptive_b4_fg2"]
     assert f2["ref"] == "exact_fg2" and f2["train_seconds_ratio"]["mean"] == pytest.approx(0.5)
     assert f2["train_seconds_ratio_vs_exact"]["mean"] == pytest.approx(0.75)
     assert f2["peak_saved_rel"] is None

@@ -259,9 +259,9 @@ def test_peak_saved_bytes_exact_loop_vs_batched():
 
 
 def test_peak_saved_bytes_deferred_vs_eager():
-    eager = _peak(mode="jagg")
+    eager = _peak(mode="jagg", reuse_values=False, deferred=False)  # the eager path
     deferred = _peak(mode="jagg", reuse_values=True, deferred=True)
-    adaptive = _peak(mode="jagg", placement="adaptive")
+    adaptive = _peak(mode="jagg", reuse_values=False, deferred=False, placement="adaptive")
     # T = 5, W = 3: eager holds its 3 anchors' activations, deferred one anchor chunk.
     assert deferred < eager / 2 and adaptive < eager / 2
     assert _peak(mode="nft") < eager / 2  # one timestep's activations at a time
