@@ -184,47 +184,6 @@ TARGET_STEP_RATIO = 0.64
 TARGET_COSINE = 0.97
 
 
-# Without it (an older trainer) mode "exact" runs the batched exact call: noted, not skipped.
-OPTIONAL_FIELDS = ("exact_loop",)
-
-
-def missing_fields() -> dict[str, list[str]]:
-    """Variant -> GRPOConfig fields (or modes) it needs that this trainer lacks (the one
-    place that checks; :data:`OPTIONAL_FIELDS` are dropped from the configs instead)."""
-    from jagg_autograd.trainer import MODES, GRPOConfig
-
-    have = GRPOConfig()
-    out = {}
-    for n, kw in VARIANTS.items():
-        miss = [k for k in kw if not hasattr(have, k) and k not in OPTIONAL_FIELDS]
-        if kw.get("mode") not in MODES:
-            miss.append(f"mode={kw['mode']}")
-        if miss:
-            out[n] = miss
-    return out
-
-
-def task_variants(task: str, study: dict[str, Any], note: bool = True) -> list[str]:
-    """The variants of ``task`` this trainer can run (skipped ones are printed)."""
-    miss = missing_fields()
-    names = [n for n in study["variants"] if n not in miss]
-    skipped = [n for n in study["variants"] if n in miss]
-    from jagg_autograd.trainer import GRPOConfig
-
-    lacks = [f for f in OPTIONAL_FIELDS if not hasattr(GRPOConfig(), f)]
-    if lacks and note:
-        print(f"[quality] this trainer lacks {lacks}: exact runs the batched call",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if skipped and note:
-        print(
-            f"[quality] {task}: skipping {skipped}: this trainer lacks "
-            f"{sorted({f for n in skipped for f in miss[n]})}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return names
-
-
 def reference(name: str, names: Sequence[str]) -> str:
     """The exact run a variant is paired with: ``exact_fg2`` for the Flow-GRPO structure."""
     return "exact_fg2" if name in FG2 and "exact_fg2" in names else "exact"
@@ -254,9 +213,6 @@ def variant_config(name: str, seed: int, task: str, study: dict[str, Any], **ove
         progress=False,
     )
     kw.update(VARIANTS[name])
-    for f in OPTIONAL_FIELDS:
-        if not hasattr(GRPOConfig(), f):
-            kw.pop(f, None)
     kw.update(over)
     return GRPOConfig(**kw)
 
@@ -301,11 +257,9 @@ def run_seed(
 
 def measure_memory(task: str, names: Sequence[str], study: dict[str, Any]) -> dict[str, Any]:
     """One untimed GRPO step per variant from seed 0's initial weights, hooks on:
-    name -> ``peak_saved_bytes`` (None when the trainer does not track memory)."""
-    from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
+    name -> ``peak_saved_bytes``."""
+    from jagg_autograd.trainer import GRPOTrainer
 
-    if not hasattr(GRPOConfig(), "track_memory"):
-        return {n: None for n in names}
     out = {}
     for n in names:
         cfg = variant_config(n, 0, task, study, eval_per_digit=0, probe_every=0,
@@ -738,8 +692,6 @@ def markdown(res: dict[str, Any]) -> str:
         "`exact_fg2`.",
         "",
     ]
-    if res.get("skipped"):
-        lines += [f"Not run (the trainer lacked their fields): {res['skipped']}.", ""]
     lines += ["## Targets", "", "| task | target | measured | met | detail |",
               "|---|---|---|---|---|"]  # fmt: skip
     for r in res["targets"]:
@@ -846,9 +798,8 @@ def plan(studies: dict[str, dict[str, Any]], workers: int) -> dict[str, Any]:
     jobs first, each to the least loaded worker)."""
     jobs = []
     for task, st in studies.items():
-        names = task_variants(task, st, note=False) or st["variants"]
         one = estimate_job_seconds(task, st["variants"], st)
-        mem = sum(sum(COSTS[task]["step"][n]) + COSTS[task]["init"] for n in names)
+        mem = sum(sum(COSTS[task]["step"][n]) + COSTS[task]["init"] for n in st["variants"])
         jobs += [(f"{task} seed {s}", one) for s in st["seeds"]]
         jobs.append((f"{task} memory", mem))
     load = [0.0] * max(1, workers)
@@ -885,18 +836,13 @@ def run_study(
         "machine": machine_info(torch.device("cpu")),
         "workers": workers,
     }
-    skipped = {}
     if report_only:
         old = json.loads((out / "quality.json").read_text(encoding="utf-8"))
         run = {k: old[k] for k in ("command", "date", "machine", "wall_seconds", "workers")}
         studies = {t: v["study"] for t, v in old["tasks"].items()}
-        skipped = old.get("skipped", {})
         names = {t: v["variants"] for t, v in old["tasks"].items()}
     else:
-        names = {t: task_variants(t, st) for t, st in studies.items()}
-        skipped = {t: [n for n in st["variants"] if n not in names[t]]
-                   for t, st in studies.items()}  # fmt: skip
-        skipped = {t: v for t, v in skipped.items() if v}
+        names = {t: st["variants"] for t, st in studies.items()}
         jobs = []
         for t, st in studies.items():
             for s in [*st["seeds"], None]:
@@ -915,7 +861,7 @@ def run_study(
             for j in jobs:
                 _run_job(j)
         run["wall_seconds"] = time.perf_counter() - t0
-    res: dict[str, Any] = {**run, "skipped": skipped, "variants": VARIANTS, "tasks": {}}
+    res: dict[str, Any] = {**run, "variants": VARIANTS, "tasks": {}}
     res["targets"] = []
     for t, st in studies.items():
         logs = {s: json.loads(_job_file(raw, t, s).read_text()) for s in st["seeds"]}

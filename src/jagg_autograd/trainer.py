@@ -427,8 +427,9 @@ class GRPOConfig:
             raise ValueError(
                 f"window must be an int in [2, num_steps={self.num_steps}], got {self.window!r}"
             )
-        bools = ("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop")
-        for name in (*bools, "track_memory"):
+        bools = ("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop",
+                 "track_memory")  # fmt: skip
+        for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         positive = {
@@ -924,6 +925,13 @@ def _minibatch_loss(
     return loss, infos, cost
 
 
+def _timed_backward(loss: torch.Tensor) -> float:
+    """``loss.backward()`` now; its seconds (the step loops report them as backward time)."""
+    t0 = time.perf_counter()
+    loss.backward()
+    return time.perf_counter() - t0
+
+
 def _exact_loop(
     tr: GRPOTrainer, mb: _Minibatch, *, scale: float
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, Any]]:
@@ -945,9 +953,7 @@ def _exact_loop(
         if mb.ref_means is not None:
             kl = kl_to_reference(res.means[0], mb.ref_means[j], res.std_dev_t[0])[None]
         loss_j, info_j = _grpo_loss_mean(res.log_probs, res.old_log_probs, mb.adv, c, kl)
-        t0 = time.perf_counter()
-        (loss_j * (scale / n)).backward()
-        bw += time.perf_counter() - t0
+        bw += _timed_backward(loss_j * (scale / n))
         losses.append(loss_j.detach())
         infos += info_j
     cost = {"routed_frac": 1.0, "stats": None, "path": "exact", "grad_forward_calls": n,
@@ -1010,9 +1016,7 @@ def _nft_minibatch(
             kl = ((v - v_ref) ** 2).flatten(1).mean(1)
             loss_j = loss_j + c.beta * kl.mean()
             info["kl"] = kl.detach().mean().cpu()
-        t0 = time.perf_counter()
-        (loss_j * (scale / n)).backward()
-        bw += time.perf_counter() - t0
+        bw += _timed_backward(loss_j * (scale / n))
         losses.append(loss_j.detach().float())
         infos.append(info)
     cost = {"routed_frac": 0.0, "stats": None, "path": "nft", "grad_forward_calls": n,
@@ -1274,9 +1278,9 @@ class GRPOTrainer:
             idx = torch.linspace(0, len(prompts) - 1, k).round().long().tolist()
             pics = self.task.decode(final[idx].detach().cpu())
             if pics is not None:  # None: the task's latents are not pictures
-                self._grid_rows.append(
-                    (pics, [grid_caption(prompts[i], float(r[i])) for i in idx], self.step_index)
-                )
+                row = (pics, [grid_caption(prompts[i], float(r[i])) for i in idx], self.step_index)
+                # grid.png shows the first evaluation and the latest: keep only those two.
+                self._grid_rows = [*self._grid_rows[:1], row]
         return {
             "mean_reward": float(r.mean()),
             **self.task.eval_breakdown(final, prompts),
