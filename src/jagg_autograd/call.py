@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,8 +53,8 @@ from jagg_autograd.distributed import ddp_for_deferred
 from jagg_autograd.layout import check_window
 from jagg_autograd.router import CosineRouter
 
-EXECUTORS = ("direct", "eager", "deferred")
-
+if TYPE_CHECKING:
+    from jagg_autograd.caller import Caller
 
 @dataclass(frozen=True, eq=False)
 class JaggOptions:
@@ -186,7 +186,7 @@ class JaggCall:
         return round(self.opts.budget * self.B)
 
     def stats(
-        self, caller: Any, scores: torch.Tensor, exact: torch.Tensor, mask: torch.Tensor
+        self, caller: Caller, scores: torch.Tensor, exact: torch.Tensor, mask: torch.Tensor
     ) -> JaggStats:
         """The call's :class:`JaggStats` with ``caller``'s with-grad counts so far."""
         return JaggStats(

@@ -31,13 +31,22 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from jagg_autograd.caller import Caller
-from jagg_autograd.checks import stale_error
+from jagg_autograd.checks import resolve_params, stale_error
 from jagg_autograd.distributed import ddp_for_deferred, ddp_post_forward, ddp_pre_forward
 from jagg_autograd.mix import mix_slots
 from jagg_autograd.planner import Plan, choose_plan
 
 if TYPE_CHECKING:
     from jagg_autograd.call import JaggCall, JaggStats
+
+__all__ = [
+    "DeferredJaggFunction",
+    "DeferredSpec",
+    "overflow_scale",
+    "resolve_params",  # the deferred call's trainable tensors (defined in checks.py)
+    "run_deferred",
+    "run_deferred_backward",
+]
 
 def run_deferred(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
     """No with-grad model call now: the values (``values=``, or every step under

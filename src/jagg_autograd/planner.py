@@ -330,25 +330,27 @@ def choose_plan(
         opts.return_stats or (opts.router is not None and call.executor != "direct")
     )
     scores = route_scores(call, values) if wants_scores else None
+    none = torch.zeros((n_w, B), dtype=torch.bool, device=dev)
+    whole = None
     if opts.mode == "exact":
         mask = exact_mask(T, B, dev) & call.needs_grad
         exact = torch.full((n_w, B), call.needs_grad, dtype=torch.bool, device=dev)
-        return PlanChoice(make_plan(mask, call.t64), scores, exact)
-    none = torch.zeros((n_w, B), dtype=torch.bool, device=dev)
-    if opts.placement == "adaptive" and call.executor == "deferred":
+    elif opts.placement == "adaptive" and call.executor == "deferred":
         if upstream is None:
             return PlanChoice(None, scores, none)
-        choice = adaptive_choice(values, upstream, call.t64, call.budget_total)
-        return PlanChoice(make_plan(choice.mask, call.t64), scores, none)
-    has_interior = torch.tensor([hi - lo >= 2 for lo, hi in call.windows], device=dev)
-    routed = (
-        opts.router.route(scores, has_interior)
-        if opts.router is not None and scores is not None
-        else none
-    )
-    mask = uniform_mask(T, B, list(call.anchors), list(call.windows), routed, dev)
-    whole = list(call.anchors) if call.executor == "eager" else None
-    return PlanChoice(make_plan(mask, call.t64, whole), scores, routed)
+        mask = adaptive_choice(values, upstream, call.t64, call.budget_total).mask
+        exact = none
+    else:
+        has_interior = torch.tensor([hi - lo >= 2 for lo, hi in call.windows], device=dev)
+        exact = (
+            opts.router.route(scores, has_interior)
+            if opts.router is not None and scores is not None
+            else none
+        )
+        mask = uniform_mask(T, B, list(call.anchors), list(call.windows), exact, dev)
+        if call.executor == "eager":
+            whole = list(call.anchors)
+    return PlanChoice(make_plan(mask, call.t64, whole), scores, exact)
 
 
 def route_scores(call: JaggCall, values: torch.Tensor) -> torch.Tensor:
