@@ -52,8 +52,10 @@ def test_options_from_takes_only_options():
 
 def _case(T=7, B=3):
     g = torch.Generator().manual_seed(0)
-    return MLPField(2, seed=1), torch.randn(T, B, 2, generator=g, dtype=F64), torch.linspace(
-        1.0, 0.1, T, dtype=F64
+    return (
+        MLPField(2, seed=1),
+        torch.randn(T, B, 2, generator=g, dtype=F64),
+        torch.linspace(1.0, 0.1, T, dtype=F64),
     )
 
 

@@ -56,6 +56,7 @@ from jagg_autograd.router import CosineRouter
 if TYPE_CHECKING:
     from jagg_autograd.caller import Caller
 
+
 @dataclass(frozen=True, eq=False)
 class JaggOptions:
     """The keyword options of ``jagg_window``, ``jagg_trajectory`` and ``gradient_fidelity``.
@@ -296,9 +297,7 @@ def _targets(
     """A deferred call's differentiated inputs: parameters, then cond tensors with grad."""
     if not opts.deferred:
         if opts.params is not None:
-            raise ValueError(
-                "params is used by deferred=True only (the eager path uses autograd)"
-            )
+            raise ValueError("params is used by deferred=True only (the eager path uses autograd)")
         return [], []
     targets = resolve_params(model, opts.params, who="deferred=True", require=False)
     keys = [k for k, v in cond.items() if isinstance(v, torch.Tensor) and v.requires_grad]

@@ -220,7 +220,6 @@ def check_router(router: object) -> CosineRouter | None:
     return router
 
 
-
 def check_values(values: object, latents: torch.Tensor) -> torch.Tensor | None:
     """Caller-given velocities: (T, B, *S) like the latents, floating, finite, no grad."""
     if values is None:

@@ -48,6 +48,7 @@ __all__ = [
     "run_deferred_backward",
 ]
 
+
 def run_deferred(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
     """No with-grad model call now: the values (``values=``, or every step under
     no_grad), connected by :class:`DeferredJaggFunction` to the parameters and cond

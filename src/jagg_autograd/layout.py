@@ -56,7 +56,6 @@ def trajectory_layout(
     return anchors, windows
 
 
-
 def expected_anchor_count(T: int, window: int, shared_anchors: bool = True) -> int:
     """Anchors (= samples per B in the one backward) of a T-step trajectory.
 
