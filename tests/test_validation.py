@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -147,6 +149,25 @@ def test_bad_input_raises_before_model_call(name, call, exc, match):
     with pytest.raises(exc, match=match):
         call(spy)
     assert spy.calls == 0
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_flow_grpo_layout_is_named_before_the_window(per_sample):
+    """A Flow-GRPO (B, T, ...) buffer, B = 3 and T = 10, with window=4: read as (T, B, ...)
+    it has "T" = 3 < window, but the message must name the (T, B, ...) layout, not the
+    window range."""
+    B, T = 3, 10
+    lat = torch.randn(B, T, 4)  # Flow-GRPO's layout, passed as is
+    sig = torch.linspace(1.0, 0.1, T)
+    spy = Spy()
+    ts = sig.expand(B, T) if per_sample else sig
+    with pytest.raises(ValueError, match=re.escape("(T, B, ...)")) as exc:
+        jagg_trajectory(spy, lat, ts, window=4)
+    assert "window must be" not in str(exc.value)
+    assert "transpose" in str(exc.value)
+    assert spy.calls == 0
+    jagg_trajectory(spy, lat.transpose(0, 1), ts.T if per_sample else ts, window=4)  # the fix
+    assert spy.calls > 0
 
 
 def test_model_not_callable():

@@ -1,7 +1,8 @@
-"""The deferred path: anchors run with grad inside the backward, chunk by chunk.
+"""The deferred executor: anchors run with grad inside the backward, chunk by chunk.
 
-The forward makes no with-grad model call: it hands back the velocities (the caller's
-``values``, or all T steps under ``no_grad``).  The backward, once the upstream gradients
+The forward (:func:`run_deferred`) makes no with-grad model call: it hands back the
+velocities (the caller's ``values``, or all T steps under ``no_grad``) through
+:class:`DeferredJaggFunction`.  The backward, once the upstream gradients
 g (T, B, *S) exist,
 
 1. plans the anchors (a uniform / routed mask fixed in the forward, or the adaptive
@@ -22,114 +23,80 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from jagg_autograd.caller import Caller
+from jagg_autograd.checks import resolve_params, stale_error
+from jagg_autograd.distributed import ddp_for_deferred, ddp_post_forward, ddp_pre_forward
 from jagg_autograd.mix import mix_slots
-from jagg_autograd.planner import Plan, adaptive_choice, make_plan
+from jagg_autograd.planner import Plan, choose_plan
 
-# Default staleness tolerance of recomputed anchors vs ``values``, relative to
-# (1 + max|values|): a few ulp of round-off between a rollout's batch and the anchors'
-# batch must pass; one optimizer step (lr 1e-4 on the digits DiT moves velocities by
-# ~1e-3) must not.  float32: 1e-5 (about 100 ulp).
-VALUES_RTOL = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-5,
-    torch.float16: 4e-3,
-    torch.bfloat16: 3e-2,
-}
+if TYPE_CHECKING:
+    from jagg_autograd.call import JaggCall, JaggStats
 
-
-def values_tolerance(values: torch.Tensor, tol: float | None) -> torch.Tensor:
-    """Absolute tolerance (a 0-d tensor) of anchors recomputed against ``values``."""
-    if tol is not None:
-        return torch.tensor(float(tol), device=values.device)
-    rtol = VALUES_RTOL.get(values.dtype, 1e-5)
-    return rtol * (1.0 + values.detach().abs().amax().to(torch.float64))
+__all__ = [
+    "DeferredJaggFunction",
+    "DeferredSpec",
+    "overflow_scale",
+    "resolve_params",  # the deferred call's trainable tensors (defined in checks.py)
+    "run_deferred",
+    "run_deferred_backward",
+]
 
 
-def stale_error(worst: float, tol: float) -> RuntimeError:
-    """The error for recomputed anchors that differ from the caller's ``values``."""
-    return RuntimeError(
-        f"values look stale: an anchor recomputed with grad differs from the given values by "
-        f"{worst:.3g} (tolerance {tol:.3g}); values= must be the velocities of these latents "
-        "at the CURRENT parameters (was there an optimizer step since the rollout?). No "
-        "gradient was applied."
-    )
-
-
-def resolve_params(model: object, params: object, *, who: str, require: bool) -> list[torch.Tensor]:
-    """The trainable tensors: ``params`` as given (deduplicated), else the model's.
-
-    who: the feature that needs them (for the message); require: an empty result is a
-    ValueError (a comparison needs a gradient; a deferred call does not).
-    """
-    if params is None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"params must be given for {who} when model is not a torch.nn.Module "
-                f"(got a {type(model).__name__}): pass params=[the trainable tensors]"
-            )
-        found = [p for p in model.parameters() if p.requires_grad]
-        if require and not found:
-            raise ValueError("params: the model has no parameter that requires grad")
-        ps: list[torch.Tensor] = found
-    else:
-        # A bare tensor is iterable (its rows), which would silently use the wrong thing.
-        if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
-            raise TypeError(
-                f"params must be a sequence of tensors (e.g. a list), got {type(params).__name__}"
-            )
-        ps = list(params)
-        if not ps:
-            raise ValueError("params must not be empty")
-        for i, p in enumerate(ps):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
-            if not p.requires_grad:
-                raise ValueError(f"params[{i}] does not require grad: it has no gradient")
-    # A tensor listed twice would get its gradient twice.
-    unique: dict[int, torch.Tensor] = {}
-    for p in ps:
-        unique.setdefault(id(p), p)
-    return list(unique.values())
+def run_deferred(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
+    """No with-grad model call now: the values (``values=``, or every step under
+    no_grad), connected by :class:`DeferredJaggFunction` to the parameters and cond
+    tensors whose gradients its backward computes."""
+    caller = Caller(call)
+    opts = call.opts
+    ddp = ddp_for_deferred(call.model)
+    if ddp is not None:
+        caller.model = ddp_pre_forward(ddp)  # the chunks run on ddp.module
+    vals = opts.values
+    if vals is None:
+        vals = caller.all_steps(False, opts.batching, opts.chunk_size)
+    choice = choose_plan(call, vals)
+    stats = None
+    if opts.return_stats:
+        plan = choice.plan
+        mask = (
+            plan.anchor_mask.clone()
+            if plan is not None
+            else torch.zeros((call.T, call.B), dtype=torch.bool, device=vals.device)
+        )
+        stats = call.stats(caller, choice.scores, choice.exact, mask)
+        stats.anchors = [] if plan is None else mask.any(1).nonzero().flatten().tolist()
+    spec = DeferredSpec(call, caller, choice.plan, stats)
+    out = DeferredJaggFunction.apply(spec, vals, *call.targets)
+    if ddp is not None:
+        out = ddp_post_forward(ddp, out)
+    return out, stats
 
 
 @dataclass
 class DeferredSpec:
     """Everything the backward needs besides the saved tensors.
 
-    caller: runs the model on (step, sample) pairs (``window._Caller``).
-    plan: the plan fixed in the forward (uniform / routed / exact), or None for adaptive.
-    t64: (T, B) float64 timesteps; budget_total: adaptive anchors over the batch.
-    check_values: compare recomputed anchors with the values (caller-given values).
-    tol: absolute tolerance of that comparison (0-d tensor) or None.
-    targets: the gradient-carrying inputs that follow ``values`` in ``apply``: the
-        parameters, then the cond tensors named by ``cond_keys`` (in that order).
-    cond_keys: the cond entries (of ``caller.cond``) that require grad.
-    versions: (name, tensor, version) of every input the backward re-reads, recorded at
-        the forward: an in-place change in between is refused, as autograd does.
+    call: the parsed call (options, timesteps, targets, values tolerance, versions).
+    caller: runs the model on (step, sample) pairs.
+    plan: the plan fixed in the forward (uniform / routed / exact), or None for adaptive
+        (chosen in the backward by ``choose_plan`` from the upstream gradients).
     stats: the call's ``JaggStats`` (completed here) or None.
+
+    ``call.targets`` are the gradient-carrying inputs that follow ``values`` in ``apply``:
+    the parameters, then the cond tensors named by ``call.grad_cond_keys``.
     """
 
-    caller: Any
+    call: JaggCall
+    caller: Caller
     plan: Plan | None
-    t64: torch.Tensor
-    budget_total: int
-    chunk_size: int | None
-    batching: str
-    backend: str
-    check_values: bool
-    tol: torch.Tensor | None
-    targets: list[torch.Tensor]
-    cond_keys: list[str]
-    versions: list[tuple[str, torch.Tensor, int]]
     stats: Any
-    autocast: tuple[bool, torch.dtype] | None
 
 
 def _chunk_bounds(ks: torch.Tensor, per: int, per_step: bool) -> list[tuple[int, int]]:
@@ -165,12 +132,12 @@ class DeferredJaggFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec: DeferredSpec = ctx.spec
         (values,) = ctx.saved_tensors
-        _check_versions(spec.versions)
+        _check_versions(spec.call.versions)
         grads = run_deferred_backward(spec, values, grad, list(ctx.needs_input_grad[2:]))
         return (None, None, *grads)
 
 
-def _check_versions(versions: list[tuple[str, torch.Tensor, int]]) -> None:
+def _check_versions(versions: tuple[tuple[str, torch.Tensor, int], ...]) -> None:
     for name, t, version in versions:
         if t._version != version:
             raise RuntimeError(
@@ -179,11 +146,6 @@ def _check_versions(versions: list[tuple[str, torch.Tensor, int]]) -> None:
                 "recomputed in the backward and would see the new state (an optimizer step "
                 "or a reused rollout buffer before backward()?)"
             )
-
-
-def record_versions(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, int]]:
-    """(name, tensor, version) of each tensor, for :func:`_check_versions`."""
-    return [(name, t, t._version) for name, t in named]
 
 
 def run_deferred_backward(
@@ -199,21 +161,44 @@ def run_deferred_backward(
     does): their own graphs (a text encoder, a parameter) are traversed once, by autograd,
     after the Function returns the leaves' gradients -- never once per chunk.
     """
-    caller = spec.caller
-    n_par = len(spec.targets) - len(spec.cond_keys)
-    leaves = {k: caller.cond[k].detach().requires_grad_(True) for k in spec.cond_keys}
-    diff = spec.targets[:n_par] + [leaves[k] for k in spec.cond_keys]
+    caller, call = spec.caller, spec.call
+    targets = list(call.targets)
+    n_par = len(targets) - len(call.grad_cond_keys)
+    leaves = {k: caller.cond[k].detach().requires_grad_(True) for k in call.grad_cond_keys}
+    diff = targets[:n_par] + [leaves[k] for k in call.grad_cond_keys]
     wanted = [i for i, need in enumerate(needed) if need]
     saved_cond = caller.cond
     caller.cond = {**caller.cond, **leaves}
     try:
-        part = _chunked_grads(spec, values, grad, [diff[i] for i in wanted], spec.targets)
+        part = _chunked_grads(spec, values, grad, [diff[i] for i in wanted], targets)
     finally:
         caller.cond = saved_cond
     out: list[torch.Tensor | None] = [None] * len(diff)
     for i, g in zip(wanted, part):
         out[i] = g
     return out
+
+
+def _plan_rows(
+    spec: DeferredSpec, values: torch.Tensor, grad: torch.Tensor
+) -> tuple[Plan, torch.Tensor, float]:
+    """The plan (adaptive: chosen now, from g), g folded onto its rows, the planning time."""
+    T, B = values.shape[:2]
+    t0 = time.perf_counter()
+    plan = spec.plan if spec.plan is not None else choose_plan(spec.call, values, grad).plan
+    plan_s = time.perf_counter() - t0
+    # float16: fold in float32, so a composite (a sum of up to W per-step gradients) that
+    # leaves float16's range stays finite; each chunk is rescaled before its backward.
+    g_in = grad.reshape(T, B, -1)
+    g_rows = mix_slots(
+        g_in.float() if g_in.dtype == torch.float16 else g_in,
+        plan.w_cur,
+        plan.w_nxt,
+        plan.slots,
+        plan.n_rows,
+        spec.call.opts.backend,
+    )
+    return plan, g_rows, plan_s
 
 
 def _chunked_grads(
@@ -223,44 +208,26 @@ def _chunked_grads(
     targets: list[torch.Tensor],
     hooked: list[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    caller = spec.caller
-    T, B = values.shape[:2]
-    t0 = time.perf_counter()
-    if spec.plan is None:
-        choice = adaptive_choice(values, grad, spec.t64, spec.budget_total)
-        plan = make_plan(choice.mask, spec.t64)
-    else:
-        plan = spec.plan
-    plan_s = time.perf_counter() - t0
-    n_rows = plan.n_rows
-    # float16: fold in float32, so a composite (a sum of up to W per-step gradients) that
-    # leaves float16's range stays finite; each chunk is rescaled before its backward.
-    g_in = grad.reshape(T, B, -1)
-    g_rows = mix_slots(
-        g_in.float() if g_in.dtype == torch.float16 else g_in,
-        plan.w_cur,
-        plan.w_nxt,
-        plan.slots,
-        n_rows,
-        spec.backend,
-    )
+    caller, call = spec.caller, spec.call
+    check_values = call.opts.values is not None
+    plan, g_rows, plan_s = _plan_rows(spec, values, grad)
     # Rows of whole steps first (the uniform plan), then the pairs: one (k, b) list.
-    ks, bs = _pairs_in_row_order(plan, B)
-    per = B if spec.chunk_size is None else spec.chunk_size
+    ks, bs = _pairs_in_row_order(plan, call.B)
+    per = call.B if call.opts.chunk_size is None else call.opts.chunk_size
     acc: list[torch.Tensor | None] = [None] * len(targets)
     owned = [False] * len(targets)
     worst = torch.zeros((), dtype=torch.float64, device=values.device)
     calls = samples = 0
-    for lo, hi in _chunk_bounds(ks, per, spec.batching == "per_step"):
+    for lo, hi in _chunk_bounds(ks, per, call.opts.batching == "per_step"):
         k, b = ks[lo:hi], bs[lo:hi]
-        with torch.enable_grad(), _autocast(values.device, spec.autocast):
+        with torch.enable_grad(), _autocast(values.device, call.autocast):
             v = caller.pairs(k, b, grad=True)
         if v.dtype != values.dtype:
             raise TypeError(
                 f"the model returns {v.dtype} but the values are {values.dtype}: values= must "
                 "be the model's own outputs (same dtype), or the staleness check is blind"
             )
-        if spec.check_values:
+        if check_values:
             dev = (v.detach().to(torch.float64) - values[k, b].to(torch.float64)).abs()
             worst = torch.maximum(worst, dev.amax())
         if not v.requires_grad or not targets:
@@ -272,22 +239,9 @@ def _chunked_grads(
         with _hooks_suspended(hooked):
             gs = torch.autograd.grad(v, targets, (up / scale).to(v.dtype), allow_unused=True)
         del v
-        for i, gi in enumerate(gs):
-            if gi is None:
-                continue
-            if scale != 1.0:
-                gi = gi * scale
-            # Never add into a tensor autograd handed back: it may be expanded (stride 0)
-            # or alias the upstream; the first sum allocates a buffer this loop owns.
-            if acc[i] is None:
-                acc[i] = gi
-            elif owned[i]:
-                acc[i].add_(gi)
-            else:
-                acc[i] = acc[i] + gi
-                owned[i] = True
-    if spec.check_values and bool(worst > spec.tol):
-        raise stale_error(float(worst), float(spec.tol))
+        _accumulate(acc, owned, gs, scale)
+    if check_values and bool(worst > call.values_limit):
+        raise stale_error(float(worst), float(call.values_limit))
     if spec.stats is not None:
         st = spec.stats
         st.grad_samples = samples
@@ -296,6 +250,29 @@ def _chunked_grads(
         st.anchors[:] = plan.anchor_mask.any(1).nonzero().flatten().tolist()
         st.plan_seconds = plan_s
     return acc
+
+
+def _accumulate(
+    acc: list[torch.Tensor | None],
+    owned: list[bool],
+    gs: tuple[torch.Tensor | None, ...],
+    scale: float,
+) -> None:
+    """acc[i] += gs[i] * scale for a chunk's gradients."""
+    for i, gi in enumerate(gs):
+        if gi is None:
+            continue
+        if scale != 1.0:
+            gi = gi * scale
+        # Never add into a tensor autograd handed back: it may be expanded (stride 0)
+        # or alias the upstream; the first sum allocates a buffer this loop owns.
+        if acc[i] is None:
+            acc[i] = gi
+        elif owned[i]:
+            acc[i].add_(gi)
+        else:
+            acc[i] = acc[i] + gi
+            owned[i] = True
 
 
 def overflow_scale(up: torch.Tensor, dtype: torch.dtype) -> float:
@@ -364,11 +341,3 @@ class _autocast:
     def __exit__(self, *exc: object) -> None:
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
-
-
-def autocast_state(device: torch.device) -> tuple[bool, torch.dtype] | None:
-    """The current autocast state for ``device`` (None when autocast does not apply)."""
-    try:
-        return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-    except (RuntimeError, AttributeError):  # device types without autocast
-        return None

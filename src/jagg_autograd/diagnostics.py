@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
-from jagg_autograd.deferred import resolve_params
+from jagg_autograd.call import JaggCall, JaggOptions, JaggStats, options_from, parse_call
+from jagg_autograd.checks import check_placement, check_router, resolve_params
 from jagg_autograd.router import CosineRouter
-from jagg_autograd.window import (
-    JaggStats,
-    _check_latents,
-    _check_router,
-    check_reuse_args,
-    jagg_trajectory,
-    jagg_window,
-)
+from jagg_autograd.window import execute
 
 __all__ = ["FidelityReport", "compare_grads", "gradient_fidelity"]
 
@@ -299,114 +293,156 @@ def gradient_fidelity(
         print(report)                 # cosine, rel_error, scores, cost
         json.dump(report.to_dict(), f)
     """
-    # Everything is checked before the first model call; jagg_window/jagg_trajectory
-    # check the rest (timesteps, cond, batching, ...) before they call the model, and the
-    # exact run, which comes first, fails on bad input before any forward.
-    if not callable(model):
-        raise TypeError(
-            f"model must be callable as model(z, t, **cond), got {type(model).__name__}"
-        )
+    # Everything is checked before the first model call: the arguments of
+    # gradient_fidelity's own, then every run's call (parse_call), in the order of the runs.
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise TypeError(f"window must be None or an int, got {window!r}")
     if not isinstance(shared_anchors, bool):
         raise TypeError(f"shared_anchors must be a bool, got {shared_anchors!r}")
     if not isinstance(per_window, bool):
         raise TypeError(f"per_window must be a bool, got {per_window!r}")
-    router = _check_router(router)
-    latents = _check_latents(latents, "W" if window is None else "T")
-    upstream = _check_upstream(upstream, latents)
-    ps = resolve_params(model, params, who="gradient_fidelity", require=True)
-    # The JAGG run's new arguments, checked now: the exact run comes first.
-    check_reuse_args(latents, values, deferred, placement, budget, None, router, "jagg", 2)
-
-    def run(
-        mode: str, rt: CosineRouter | None, **extra: Any
-    ) -> tuple[torch.Tensor, JaggStats]:
-        common: dict[str, Any] = {
-            "cond": cond,
-            "mode": mode,
-            "router": rt,
-            "batching": batching,
-            "batched_cond": batched_cond,
-            "return_stats": True,
-            **extra,
-        }
-        if extra.get("deferred"):
-            common["params"] = ps
-        if window is None:
-            v, st = jagg_window(model, latents, timesteps, **common)
-            # One layout for both cases: a window is a one-row trajectory.
-            st.scores, st.exact = st.scores.unsqueeze(0), st.exact.unsqueeze(0)
-        else:
-            v, st = jagg_trajectory(
-                model, latents, timesteps, window=window, shared_anchors=shared_anchors, **common
-            )
-        return v, st
-
-    grad_samples: dict[str, int] = {}
-    backward_calls: dict[str, int] = {}
     with torch.enable_grad():
-        v_ex, st_ex = run("exact", None)
+        runs = _parse_runs(model, latents, timesteps, upstream, options_from(locals()))
+        upstream, ps = runs.upstream, runs.params
+        v_ex, st_ex = execute(runs.exact)
         windows = [tuple(w) for w in st_ex.windows]
         # Per-window VJPs reuse the graphs: a single window is its own decomposition.
         split = per_window and len(windows) > 1
         g_ex = _grads(v_ex, upstream, ps, retain=split)
-        grad_samples["exact"], backward_calls["exact"] = st_ex.grad_samples, st_ex.backward_calls
-
-        reuse = {"values": values, "deferred": deferred}
-        v_jg, st_jg = run("jagg", None, **reuse, placement=placement, budget=budget)
+        v_jg, st_jg = execute(runs.jagg)
         g_jg = _grads(v_jg, upstream, ps, retain=split)
-        grad_samples["jagg"], backward_calls["jagg"] = st_jg.grad_samples, st_jg.backward_calls
         cos, rel, ratio, exact_norm = compare_grads(g_ex, g_jg, ps)
         value_diff = _max_abs_diff(v_jg, v_ex)
         del g_jg
-
         windows_report: tuple[WindowFidelity, ...] | None = None
         if per_window and not split:
             windows_report = (WindowFidelity(*windows[0], cos, rel),)
         elif split:
-            entries = []
-            for lo, hi in windows:
-                up_w = torch.zeros_like(upstream)
-                up_w[lo : hi + 1] = upstream[lo : hi + 1]
-                e = _grads(v_ex, up_w, ps, retain=True)
-                j = _grads(v_jg, up_w, ps, retain=True)
-                w_cos, w_rel, _, _ = compare_grads(e, j, ps)
-                entries.append(WindowFidelity(lo, hi, w_cos, w_rel))
-            windows_report = tuple(entries)
+            windows_report = _per_window(v_ex, v_jg, upstream, ps, windows)
         # Free both graphs before the routed run builds its own.
         v_ex = v_ex.detach()
         del v_jg
-
-        routed_cos = routed_rel = exact_fraction = None
-        if router is not None:
-            v_rt, st_rt = run("jagg", router, **reuse)
+        routed: tuple[float, float, float, JaggStats] | None = None
+        if runs.routed is not None:
+            v_rt, st_rt = execute(runs.routed)
             g_rt = _grads(v_rt, upstream, ps, retain=False)
             routed_cos, routed_rel, _, _ = compare_grads(g_ex, g_rt, ps)
             value_diff = max(value_diff, _max_abs_diff(v_rt, v_ex))
-            exact_fraction = float(st_rt.exact.float().mean())
-            grad_samples["routed"] = st_rt.grad_samples
-            backward_calls["routed"] = st_rt.backward_calls
+            routed = (routed_cos, routed_rel, float(st_rt.exact.float().mean()), st_rt)
             del v_rt, g_rt
-
-    # Scores are tiny: summarise them on the CPU, where float64 always exists.
-    scores = st_jg.scores.detach().cpu().to(torch.float64)
-    flat = scores.flatten()
     return FidelityReport(
         cosine=cos,
         rel_error=rel,
         norm_ratio=ratio,
         exact_norm=exact_norm,
-        routed_cosine=routed_cos,
-        routed_rel_error=routed_rel,
-        exact_fraction=exact_fraction,
-        scores=scores.tolist(),
-        score_min=float(flat.min()),
-        score_median=float(flat.quantile(0.5)),
+        routed_cosine=None if routed is None else routed[0],
+        routed_rel_error=None if routed is None else routed[1],
+        exact_fraction=None if routed is None else routed[2],
+        **_score_summary(st_jg.scores),
         windows=[(int(lo), int(hi)) for lo, hi in windows],
         value_max_abs_diff=value_diff,
-        grad_samples=grad_samples,
-        backward_calls=backward_calls,
+        **_costs(st_ex, st_jg, None if routed is None else routed[3]),
         router=None if router is None else repr(router),
         per_window=windows_report,
     )
+
+
+class _Runs(NamedTuple):
+    """The checked calls of one :func:`gradient_fidelity`, and its checked arguments."""
+
+    exact: JaggCall
+    jagg: JaggCall
+    routed: JaggCall | None
+    upstream: torch.Tensor
+    params: list[torch.Tensor]
+
+
+def _parse_runs(
+    model: Callable[..., torch.Tensor],
+    latents: object,
+    timesteps: object,
+    upstream: object,
+    options: JaggOptions,
+) -> _Runs:
+    """The exact run, the JAGG run (``values``, ``deferred``, ``placement``, ``budget`` as
+    given) and, with a router, the routed run (uniform placement), each parsed."""
+    options = replace(options, return_stats=True)
+    traj = options.window is not None
+    if not callable(model):
+        raise TypeError(
+            f"model must be callable as model(z, t, **cond), got {type(model).__name__}"
+        )
+    router = check_router(options.router)
+    exact = parse_call(
+        model,
+        latents,
+        timesteps,
+        replace(
+            options,
+            mode="exact",
+            router=None,
+            values=None,
+            deferred=False,
+            placement="uniform",
+            budget=None,
+            params=None,
+        ),
+        trajectory=traj,
+    )
+    up = _check_upstream(upstream, exact.latents)
+    ps = resolve_params(model, options.params, who="gradient_fidelity", require=True)
+    # The deferred runs differentiate the compared tensors (a non-module model has no others).
+    options = replace(options, params=ps if options.deferred is True else None)
+    jagg = parse_call(model, latents, timesteps, replace(options, router=None), trajectory=traj)
+    routed = None
+    if router is not None:
+        # The options as given: a router and adaptive placement do not combine.
+        check_placement(options.placement, jagg.opts.deferred, router, "jagg")
+        routed = parse_call(
+            model,
+            latents,
+            timesteps,
+            replace(options, placement="uniform", budget=None),
+            trajectory=traj,
+        )
+    return _Runs(exact, jagg, routed, up, ps)
+
+
+def _per_window(
+    v_ex: torch.Tensor,
+    v_jg: torch.Tensor,
+    upstream: torch.Tensor,
+    ps: list[torch.Tensor],
+    windows: list[tuple[int, int]],
+) -> tuple[WindowFidelity, ...]:
+    """Every window compared on its own: upstream zeroed outside [first..last]."""
+    entries = []
+    for lo, hi in windows:
+        up_w = torch.zeros_like(upstream)
+        up_w[lo : hi + 1] = upstream[lo : hi + 1]
+        e = _grads(v_ex, up_w, ps, retain=True)
+        j = _grads(v_jg, up_w, ps, retain=True)
+        w_cos, w_rel, _, _ = compare_grads(e, j, ps)
+        entries.append(WindowFidelity(lo, hi, w_cos, w_rel))
+    return tuple(entries)
+
+
+def _score_summary(scores: torch.Tensor) -> dict[str, Any]:
+    # Scores are tiny: summarise them on the CPU, where float64 always exists.
+    s = scores.detach().cpu().to(torch.float64)
+    flat = s.flatten()
+    return {
+        "scores": s.tolist(),
+        "score_min": float(flat.min()),
+        "score_median": float(flat.quantile(0.5)),
+    }
+
+
+def _costs(
+    exact: JaggStats, jagg: JaggStats, routed: JaggStats | None
+) -> dict[str, dict[str, int]]:
+    named = {"exact": exact, "jagg": jagg, **({} if routed is None else {"routed": routed})}
+    return {
+        "grad_samples": {k: st.grad_samples for k, st in named.items()},
+        "backward_calls": {k: st.backward_calls for k, st in named.items()},
+    }

@@ -414,3 +414,59 @@ def check_ddp_for_jagg(
     for m in msgs:
         warnings.warn(m, RuntimeWarning, stacklevel=2)
     return msgs
+
+
+# ----------------------------------------------------- what a JAGG call needs of a wrapper
+
+
+def ddp_for_deferred(model: object) -> Any:
+    """The DDP wrapper (None for other models); FSDP is refused for deferred=True."""
+    if _is_fsdp2(model) or _is_fsdp1(model):
+        raise ValueError(
+            "deferred=True does not support FSDP-sharded models yet (their parameters are "
+            "gathered and reduced by hooks the deferred backward bypasses): use "
+            "deferred=False with FSDP, or DDP"
+        )
+    return model if _is_ddp(model) else None
+
+
+def ddp_pre_forward(ddp: nn.parallel.DistributedDataParallel) -> nn.Module:
+    """DDP's own forward bookkeeping, once, for a deferred call; returns the module to run.
+
+    The deferred backward runs its chunks on ``ddp.module``; what a forward of ``ddp``
+    does before its module call (its pre-hooks -- ``accumulate_windows``' sync switch --
+    and the reducer's preparation) happens here instead.
+    """
+    for hook in list(ddp._forward_pre_hooks.values()):
+        hook(ddp, ())
+    ddp._pre_forward()
+    return ddp.module
+
+
+def ddp_post_forward(ddp: nn.parallel.DistributedDataParallel, out: torch.Tensor) -> torch.Tensor:
+    """What DDP's forward does after its module call: with sync on, the reducer expects
+    this iteration's gradients, which reach the parameters when the deferred Function
+    returns them (the chunks run on ``ddp.module``, outside the reducer)."""
+    return ddp._post_forward(out) if out.requires_grad else out
+
+
+def fsdp_collective(model: object) -> bool:
+    """FSDP in a multi-rank group: every rank must make the same sequence of model calls
+    (each call all-gathers parameters, each backward through it reduce-scatters)."""
+    import torch.distributed as dist
+
+    return (
+        (_is_fsdp2(model) or _is_fsdp1(model))
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
+def agree_on_call_count(n_calls: int) -> int:
+    """The largest call count over the ranks (one all-reduce): a collective call pads to it."""
+    import torch.distributed as dist
+
+    agree = torch.tensor([n_calls], dtype=torch.long)
+    dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+    return int(agree)

@@ -1,4 +1,4 @@
-"""The autograd Function of the eager path: anchors run with grad in the forward pass.
+"""The eager executor: anchors run with grad in the forward pass, and its autograd Function.
 
 Forward hands back the velocities the sampler already computed; backward replaces the T
 per-step vector-Jacobian products with the anchors' composite gradients
@@ -12,12 +12,63 @@ Samples routed to the exact gradient are anchors at every step of their window (
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from jagg_autograd.caller import Caller, run_pairs_grad, run_steps
+from jagg_autograd.checks import check_fresh
+from jagg_autograd.distributed import fsdp_collective
 from jagg_autograd.mix import mix_slots
+from jagg_autograd.planner import choose_plan
+
+if TYPE_CHECKING:
+    from jagg_autograd.call import JaggCall, JaggStats
+
+
+def run_eager(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
+    """The anchor steps with grad now (one stacked call; per_step: one per anchor), the
+    interior under no_grad (or from ``values``), the routed-out pairs with grad; the
+    output carries the plan's composite gradients to their graphs (:class:`JaggFunction`).
+    """
+    caller = Caller(call)
+    opts = call.opts
+    T, B, S = call.T, call.B, caller.S
+    anchors = list(call.anchors)
+    if opts.batching == "per_step":
+        anchor_parts = [caller.steps([a], True) for a in anchors]
+        anchor_v = torch.cat(anchor_parts) if len(anchor_parts) > 1 else anchor_parts[0]
+    else:
+        anchor_v = caller.steps(anchors, True)
+    if opts.values is not None:
+        check_fresh(anchor_v.view(len(anchors), B, *S), opts.values[anchors], call.values_limit)
+        vals = opts.values.clone()
+    else:
+        anchor_set = set(anchors)
+        interior = [k for k in range(T) if k not in anchor_set]
+        inner = run_steps(caller, interior, False, opts.batching, opts.chunk_size)
+        vals = torch.empty((T, B, *S), dtype=caller.out_dtype, device=call.latents.device)
+        vals[anchors] = anchor_v.detach().view(len(anchors), B, *S)
+        for steps, v in inner:
+            vals[steps] = v.view(len(steps), B, *S)
+    choice = choose_plan(call, vals)
+    plan = choice.plan
+    rows = [anchor_v]
+    collective = fsdp_collective(call.model)
+    if plan.pair_k.numel() > 0 or collective:
+        extra = run_pairs_grad(
+            caller, plan.pair_k, plan.pair_b, opts.batching, opts.chunk_size, collective
+        )
+        if extra is not None:
+            rows.append(extra)
+    grad_v = torch.cat(rows) if len(rows) > 1 else anchor_v
+    out = JaggFunction.apply(
+        grad_v, vals, plan.w_cur, plan.w_nxt, plan.slots, plan.n_rows, opts.backend
+    )
+    if not opts.return_stats:
+        return out, None
+    return out, call.stats(caller, choice.scores, choice.exact, plan.anchor_mask)
 
 
 class JaggFunction(torch.autograd.Function):

@@ -19,15 +19,23 @@ mask:
   t-linear interpolation between the step's neighbouring anchors) for its anchor count,
   by dynamic programming over Gram matrices, and the batch's budget of anchors is shared
   greedily by marginal proxy reduction.
+
+:func:`choose_plan` is the one place that decides which of them a call runs, from the
+parsed call (``jagg_autograd.call``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from jagg_autograd.mix import anchor_neighbours
+from jagg_autograd.router import cosine_route
+
+if TYPE_CHECKING:
+    from jagg_autograd.call import JaggCall
 
 
 @dataclass
@@ -276,3 +284,84 @@ def proxy_cost(
     interp = (w_cur + w_nxt > 0) & ~mask
     res = (v - vhat).norm(dim=-1) * g.norm(dim=-1)
     return torch.where(interp, res, 0.0).sum(0)
+
+
+# ------------------------------------------------------------------------------ chooser
+
+
+@dataclass(frozen=True, eq=False)
+class PlanChoice:
+    """What :func:`choose_plan` decided for a call.
+
+    plan: the Plan the executor runs; None for placement="adaptive" before the backward
+        (the deferred backward chooses it from the upstream gradients).
+    scores: (n_windows, B) router scores of the uniform layout, when a router or the
+        stats need them, else None.
+    exact: (n_windows, B) bool: the (window, sample) pairs with the exact gradient.
+    """
+
+    plan: Plan | None
+    scores: torch.Tensor | None
+    exact: torch.Tensor
+
+
+def choose_plan(
+    call: JaggCall, values: torch.Tensor, upstream: torch.Tensor | None = None
+) -> PlanChoice:
+    """The call's Plan: exact, uniform (+ routed), or adaptive.
+
+    values: (T, B, *S) the call's velocities (routing scores them; adaptive placement
+    reads them); upstream: (T, B, *S) the gradients of the loss w.r.t. them (adaptive
+    placement in the deferred backward only).
+
+    * mode="exact": every pair, where a gradient exists (none under no_grad);
+    * placement="uniform": the layout's anchors for every sample; a router's routed-out
+      (window, sample) pairs make every step of their window an anchor.  The eager
+      executor runs the anchor steps as whole-step calls first (``whole_steps``); without
+      a gradient the plan is a preview of what a call with grad would run;
+    * placement="adaptive" (deferred): per-sample anchors chosen from ``upstream``
+      (:func:`adaptive_choice`, ``round(budget * B)`` anchors over the batch).
+    """
+    T, B, dev = call.T, call.B, call.latents.device
+    opts = call.opts
+    n_w = len(call.windows)
+    # Scores belong to the forward (routing, stats); the backward's adaptive choice skips them.
+    wants_scores = upstream is None and (
+        opts.return_stats or (opts.router is not None and call.executor != "direct")
+    )
+    scores = route_scores(call, values) if wants_scores else None
+    none = torch.zeros((n_w, B), dtype=torch.bool, device=dev)
+    whole = None
+    if opts.mode == "exact":
+        mask = exact_mask(T, B, dev) & call.needs_grad
+        exact = torch.full((n_w, B), call.needs_grad, dtype=torch.bool, device=dev)
+    elif opts.placement == "adaptive" and call.executor == "deferred":
+        if upstream is None:
+            return PlanChoice(None, scores, none)
+        mask = adaptive_choice(values, upstream, call.t64, call.budget_total).mask
+        exact = none
+    else:
+        has_interior = torch.tensor([hi - lo >= 2 for lo, hi in call.windows], device=dev)
+        exact = (
+            opts.router.route(scores, has_interior)
+            if opts.router is not None and scores is not None
+            else none
+        )
+        mask = uniform_mask(T, B, list(call.anchors), list(call.windows), exact, dev)
+        if call.executor == "eager":
+            whole = list(call.anchors)
+    return PlanChoice(make_plan(mask, call.t64, whole), scores, exact)
+
+
+def route_scores(call: JaggCall, values: torch.Tensor) -> torch.Tensor:
+    """(n_windows, B) cosine router scores of ``values`` on the call's uniform layout."""
+    T, B = call.T, call.B
+    alpha = torch.zeros_like(call.t64)  # 0 at anchors, the t-coordinate inside windows
+    for lo, hi in call.windows:
+        if hi - lo >= 2:
+            t = call.t64
+            alpha[lo + 1 : hi] = (t[lo + 1 : hi] - t[lo]) / (t[hi] - t[lo])
+    left = [w[0] for w in call.windows]
+    right = [w[1] for w in call.windows]
+    v = values.detach().reshape(T, B, -1)
+    return cosine_route(v, alpha, left, right, backend=call.opts.backend)
