@@ -30,7 +30,7 @@ from jagg_autograd.config import GROUPS, GRPOConfig
 from jagg_autograd.tasks import task_factory
 from jagg_autograd.trainer import TrainingDivergedError, train
 
-__all__ = ["build_parser", "config_from_args", "load_config_file", "main"]
+__all__ = ["build_parser", "config_from_args", "load_config_file", "main", "parse_config"]
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 _HINTS = typing.get_type_hints(GRPOConfig)
@@ -173,6 +173,11 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         parser.set_defaults(**{**task_defaults, **from_file})
         args = parser.parse_args(argv)
     return args
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
+    """The validated :class:`GRPOConfig` of a command line (``ValueError`` if bad)."""
+    return config_from_args(_parse(build_parser(), argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
