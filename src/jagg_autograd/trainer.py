@@ -1,36 +1,31 @@
 """Online Flow-GRPO for any task, with the gradient through the configured estimator.
 
 ``GRPOTrainer(config, task=...)`` trains a task's velocity model (a
-:class:`~jagg_autograd.tasks.GRPOTask`: model, prompts, reward, held-out evaluation; the
-digits demo is ``task="digits"``).  One GRPO step (:meth:`GRPOTrainer.train_step`), with
-Flow-GRPO's names:
+:class:`~jagg_autograd.tasks.GRPOTask`; the digits demo is ``task="digits"``).  One GRPO
+step (:meth:`~GRPOTrainer.train_step`), with Flow-GRPO's names:
 
-1. **Rollout** (:meth:`~GRPOTrainer.rollout`, ``torch.no_grad``): ``prompts_per_step``
-   prompts, each repeated ``group_size`` times, sampled with Flow-GRPO's SDE step
-   (``sde_type="dance"``: DanceGRPO's) over ``num_steps`` steps, in the minibatches that
-   will be trained; latents, old log-probs and velocities in the (T, B, ...) layout.
-2. **Reward and advantages** (:meth:`~GRPOTrainer.advantages`): the task's reward and
-   per-prompt group advantages (:func:`~jagg_autograd.grpo.group_advantages`, which raises
-   on NaN rewards).
-3. **Minibatches** (:meth:`~GRPOTrainer.minibatches`): each minibatch's trained steps
-   (the estimator's) and, with ``beta > 0``, the reference policy's means (once per rollout).
-4. **Training** (:meth:`~GRPOTrainer.train_epochs`): ``num_inner_epochs`` passes over the
-   minibatches; each minibatch's loss is the estimator's (:mod:`jagg_autograd.estimators`,
-   chosen by ``mode``), the optimizer steps (:meth:`~GRPOTrainer.optimizer_step`:
-   gradient-norm clipping ``max_grad_norm``, AdamW) every ``gradient_accumulation_steps``
-   minibatches.
+1. :meth:`~GRPOTrainer.rollout` (no grad): ``prompts_per_step`` prompts, each repeated
+   ``group_size`` times, sampled with Flow-GRPO's SDE step (``sde_type="dance"``:
+   DanceGRPO's) over ``num_steps`` steps, in the minibatches that will be trained.
+2. :meth:`~GRPOTrainer.advantages`: the task's reward, group-normalised
+   (:func:`~jagg_autograd.grpo.group_advantages` raises on NaN rewards).
+3. :meth:`~GRPOTrainer.minibatches`: each minibatch's trained steps (the estimator's) and,
+   with ``beta > 0``, the reference policy's means (once per rollout).
+4. :meth:`~GRPOTrainer.train_epochs`: ``num_inner_epochs`` passes over the minibatches,
+   each one's loss from the estimator (:mod:`jagg_autograd.estimators`, chosen by
+   ``mode``), an :meth:`~GRPOTrainer.optimizer_step` (``max_grad_norm`` clipping, AdamW)
+   every ``gradient_accumulation_steps`` minibatches.
 
-Optional along the run: a held-out evaluation every ``eval_every`` steps (SDE or ODE
-sampler, fixed noise never used in training) and a gradient probe every ``probe_every``
-steps (:meth:`~GRPOTrainer.probe`).  Neither touches the training noise stream nor the
-timings.  The run's log, files and summary are :mod:`jagg_autograd.runlog`'s; a
-non-finite loss or gradient norm stops the run with a :class:`TrainingDivergedError`
-naming the step, before the optimizer step.
+A held-out evaluation every ``eval_every`` steps (fixed noise never used in training) and
+a gradient :meth:`~GRPOTrainer.probe` every ``probe_every`` steps touch neither the
+training noise stream nor the timings.  The log, its files and the summary are
+:mod:`jagg_autograd.runlog`'s.  A non-finite loss or gradient norm stops the run with a
+:class:`TrainingDivergedError` naming the step, before the optimizer step.
 
-The state a checkpoint needs: ``model`` (and ``params``), ``optimizer``, ``generator``
-(prompts, rollout noise and the estimators' draws, in that order), ``estimator`` (its own
-state, e.g. DiffusionNFT's snapshot), ``step_index``, ``rollout_seconds`` /
-``train_seconds`` and ``log``.
+A checkpoint's state: ``model`` (``params``), ``optimizer``, ``generator`` (prompts,
+rollout noise and the estimator's draws, in that order), ``estimator`` (its own state,
+e.g. DiffusionNFT's snapshot), ``step_index``, ``rollout_seconds`` / ``train_seconds``
+and ``log``.
 """
 
 from __future__ import annotations
@@ -70,31 +65,15 @@ from jagg_autograd.runlog import RunLog, StepStats, summarize
 from jagg_autograd.tasks import GRPOTask, get_task, task_factory
 
 __all__ = [
-    "MODES",
-    "PLACEMENTS",
-    "PRECISIONS",
-    "SAMPLERS",
-    "SCHEDULES",
-    "SDE_TYPES",
-    "STEP_SELECTIONS",
-    "TUNING",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "TrainingDivergedError",
-    "mix_window_start",
-    "sigma_schedule",
-    "summarize",
-    "train",
-    # and, imported from jagg_autograd.tasks.digits on first use: Rollout, rollout,
-    # trajectory_log_probs, subsample_log_probs, evaluate
-]
-
-# The digits-shaped helpers live in the digits task; imported on first use so that the
-# trainer stays task-agnostic (importing it loads no digits code).
+    "MODES", "PLACEMENTS", "PRECISIONS", "SAMPLERS", "SCHEDULES", "SDE_TYPES",
+    "STEP_SELECTIONS", "TUNING", "GRPOConfig", "GRPOTrainer", "TrainingDivergedError",
+    "mix_window_start", "sigma_schedule", "summarize", "train",
+]  # fmt: skip
+# The digits-shaped helpers kept public here live in the digits task, imported on first
+# use so that the trainer stays task-agnostic (importing it loads no digits code).
 _DIGITS = {"Rollout": "Rollout", "rollout": "rollout", "evaluate": "evaluate",
-           "trajectory_log_probs": "trajectory_log_probs",
-           "subsample_log_probs": "subsample_log_probs",
-           "_estimator_loss": "estimator_loss"}  # fmt: skip
+           "trajectory_log_probs": "trajectory_log_probs", "_estimator_loss": "estimator_loss",
+           "subsample_log_probs": "subsample_log_probs"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -129,8 +108,8 @@ def _resolve_task(config: GRPOConfig, name: str) -> GRPOTask:
 
 @dataclass
 class RolloutBatch:
-    """One rollout: the prompts, each repeated ``group_size`` times (``rep``), their group
-    ids, and the trajectories in the minibatches that will be trained."""
+    """One rollout: the prompts, each ``group_size`` times (``rep``), the group ids, and
+    the trajectories of the minibatches that will be trained."""
 
     prompts: list[Any]
     rep: list[Any]
@@ -164,10 +143,8 @@ class GRPOTrainer:
             raise TypeError(f"task must be a GRPOTask or a task name, got {type(task).__name__}")
         config.validate(task_obj)
         self.config = config
-        self.runlog = RunLog(config.task, config.resolved(), config.out)
+        self.runlog = RunLog(config.task, config.resolved(), config.out)  # run_id, out, ...
         self.log = self.runlog.log
-        self.run_id, self.started_at, self.out = (
-            self.runlog.run_id, self.runlog.started_at, self.runlog.out)  # fmt: skip
         self.device = resolve_device(config.device)
         self.step_index = 0
         self.rollout_seconds = 0.0
@@ -461,19 +438,14 @@ class GRPOTrainer:
         return log
 
     def abort(self, exc: BaseException) -> dict[str, Any]:
-        """Close the log of a run stopped by ``exc`` (Ctrl-C or an error); keep every step.
-
-        Status "interrupted" (KeyboardInterrupt) or "failed" with the error's text; the
-        summary says how many steps finished; the log and, if a step finished, the plot
-        are written.  Returns the log.
-        """
+        """Close the log of a run stopped by ``exc``: status "interrupted" (Ctrl-C) or
+        "failed" (with the error's text), every finished step kept; returns the log."""
         interrupted = isinstance(exc, KeyboardInterrupt)
         if self.log["evals"]:
             self.log["eval"] = {"initial": self.log["evals"][0]}
         self.runlog.totals(self.rollout_seconds, self.train_seconds)
-        return self.runlog.finish(
-            "interrupted" if interrupted else "failed", None if interrupted else exc
-        )
+        status, error = ("interrupted", None) if interrupted else ("failed", exc)
+        return self.runlog.finish(status, error)
 
 
 def train(
@@ -484,19 +456,17 @@ def train(
 ) -> dict[str, Any]:
     """Run online GRPO on a task (default: digits); return the log (also written to ``out``).
 
-    Log keys: ``run_id``, ``started_at``, ``status``, ``task``, ``config`` (the resolved
-    config), ``steps`` (one dict per GRPO step: :meth:`jagg_autograd.runlog.StepStats.row`
-    lists its keys; on probe steps also ``probe_cosine`` / ``probe_rel_error``; with
-    ``track_memory`` ``peak_saved_bytes``), ``evals`` (the held-out evaluations, the first
-    before training and the last after: ``step``, ``mean_reward``, the task's breakdown
-    (digits: ``per_digit``), ``wall_seconds`` = rollout + training time so far), ``eval``
-    (the first and last as ``initial`` / ``final``), ``total_seconds``,
-    ``rollout_seconds``, ``train_seconds``, ``summary``, ``out``.
+    Log keys: ``run_id``, ``started_at``, ``status``, ``task``, ``config`` (resolved),
+    ``steps`` (one row per GRPO step, :meth:`jagg_autograd.runlog.StepStats.row`; probe
+    steps add ``probe_cosine`` / ``probe_rel_error``, ``track_memory`` adds
+    ``peak_saved_bytes``), ``evals`` (held-out evaluations, the first before training and
+    the last after: ``step``, ``mean_reward``, the task's breakdown, ``wall_seconds``),
+    ``eval`` (``initial`` / ``final``), ``total_seconds``, ``rollout_seconds``,
+    ``train_seconds``, ``summary``, ``out``.
 
     Raises:
-        ValueError: bad config (see :meth:`GRPOConfig.validate`), an unwritable ``out``,
-            or non-finite rewards / log-probs (from :func:`group_advantages` /
-            :func:`grpo_loss`).
+        ValueError: bad config (:meth:`GRPOConfig.validate`), an unwritable ``out``, or
+            non-finite rewards / log-probs.
         TrainingDivergedError: a non-finite loss or gradient norm (the step is named).
         KeyboardInterrupt: re-raised after the partial log is written.
     """

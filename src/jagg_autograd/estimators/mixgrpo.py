@@ -51,8 +51,10 @@ class MixGRPOEstimator(ExactEstimator):
         return f"mixgrpo (sliding SDE window of {cfg['window']} steps)"
 
     def loss(self, ctx: LossContext, mb: Minibatch, **kw: Any) -> MinibatchResult:
-        # The rollout's reference means (beta > 0) cover all T steps and are read by slot,
-        # as the trainer always did.
+        # Known quirk, kept because a refactor changes no number: with beta > 0 the
+        # rollout's reference means cover all T steps (train_steps is None) and the KL
+        # reads them by slot j = 0..W-1, i.e. at steps 0..W-1, not at the window's
+        # lo..lo+W-1 (the same steps only while the window starts at 0).
         return self.batched(ctx, mb, self.window(ctx.step_index))
 
     def routed_frac(self, res: Any) -> float:
