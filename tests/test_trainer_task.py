@@ -439,11 +439,14 @@ def test_grid_keeps_the_same_evaluation_samples_before_and_after(tmp_path, monke
 
 
 def test_unwritable_out_fails_before_training(tmp_path, monkeypatch):
+    from jagg_autograd import tasks
+
     (tmp_path / "log.json").mkdir()
     built = []
-    monkeypatch.setattr(trainer_mod, "_resolve_task", lambda *a: built.append(1))
+    monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks._REGISTRY))  # the task registry seam
+    register_task("spy", lambda **kw: built.append(1))
     with pytest.raises(ValueError, match="out="):
-        GRPOTrainer(GRPOConfig(**TINY, out=str(tmp_path)))
+        GRPOTrainer(GRPOConfig(**TINY, task="spy", out=str(tmp_path)))
     assert not built  # nothing was loaded or trained
 
 
