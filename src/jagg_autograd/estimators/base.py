@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the config imports the registry, not the other way round
 
 __all__ = [
     "Estimator",
+    "EstimatorShim",
     "LossContext",
     "Minibatch",
     "MinibatchResult",

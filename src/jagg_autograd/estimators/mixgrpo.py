@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from jagg_autograd.estimators.base import LossContext, Minibatch, MinibatchResult
 from jagg_autograd.estimators.exact import ExactEstimator
 
@@ -50,7 +52,16 @@ class MixGRPOEstimator(ExactEstimator):
     def describe(cls, cfg: dict[str, Any]) -> str:
         return f"mixgrpo (sliding SDE window of {cfg['window']} steps)"
 
-    def loss(self, ctx: LossContext, mb: Minibatch, **kw: Any) -> MinibatchResult:
+    def loss(
+        self,
+        ctx: LossContext,
+        mb: Minibatch,
+        *,
+        generator: torch.Generator,
+        on_policy: bool,
+        scale: float = 1.0,
+        inline_backward: bool = False,
+    ) -> MinibatchResult:
         # Known quirk, kept because a refactor changes no number: with beta > 0 the
         # rollout's reference means cover all T steps (train_steps is None) and the KL
         # reads them by slot j = 0..W-1, i.e. at steps 0..W-1, not at the window's
