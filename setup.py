@@ -16,6 +16,7 @@ _DEMO = [
     "scikit-learn>=1.3",
     "matplotlib>=3.7",
     "tqdm>=4.60",
+    "pyyaml>=5.1",  # jagg-demo --config FILE.yaml
 ]
 _BENCH = ["matplotlib>=3.7", "tqdm>=4.60"]
 

@@ -284,10 +284,10 @@ def _run_job(args: tuple[str, int | None, list[str], dict[str, Any], str | None,
     else:
         res = run_seed(task, seed, names, study, progress)
     if raw_dir is not None:
-        from jagg_autograd.trainer import _write_json_atomic
+        from jagg_autograd.runlog import write_json_atomic
 
         # Atomic (temporary file + rename): an interrupted study never leaves half a job.
-        _write_json_atomic(_job_file(Path(raw_dir), task, seed), res)
+        write_json_atomic(_job_file(Path(raw_dir), task, seed), res)
     return f"{task}:{seed}"
 
 

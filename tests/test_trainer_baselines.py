@@ -9,15 +9,10 @@ import math
 import pytest
 import torch
 
+from jagg_autograd.estimators import Minibatch
 from jagg_autograd.grpo import group_advantages
 from jagg_autograd.nft import draw_timesteps, nft_loss, optimality_probability
-from jagg_autograd.trainer import (
-    GRPOConfig,
-    GRPOTrainer,
-    _Minibatch,
-    _minibatch_loss,
-    train,
-)
+from jagg_autograd.trainer import GRPOConfig, GRPOTrainer, train
 
 TINY = dict(
     prompts_per_step=2, group_size=2, num_steps=5, window=3, eval_per_digit=0, progress=False
@@ -188,24 +183,23 @@ def test_nft_minibatch_loss_decreases():
     prompts, groups = tr._group(tr.task.sample_prompts(2, g))
     traj = tr._sample(prompts, g)
     adv = group_advantages(tr.task.reward(traj.latents[-1], prompts), groups)
-    mb = _Minibatch(traj, adv, None)
+    mb = Minibatch(traj, adv, None)
     before = [p.detach().clone() for p in tr.params]
     losses = []
     for i in range(6):
         tr.optimizer.zero_grad(set_to_none=True)
-        loss, infos, cost = _minibatch_loss(
-            tr, mb, mode="nft", step=0, generator=torch.Generator().manual_seed(7),
-            on_policy=i == 0,
+        res = tr.estimator.loss(
+            tr, mb, generator=torch.Generator().manual_seed(7), on_policy=i == 0,
         )  # fmt: skip
-        assert cost["backward_done"] and cost["path"] == "nft"
-        assert cost["grad_samples"] == 4 * 4 and cost["grad_forward_calls"] == 4
-        losses.append(float(loss))
+        assert res.backward_done and res.path == "nft"
+        assert res.grad_samples == 4 * 4 and res.grad_forward_calls == 4
+        losses.append(float(res.loss))
         tr.optimizer.step()
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert any(not torch.equal(p, q) for p, q in zip(tr.params, before))
     # v_old stayed the rollout's parameters (the snapshot), not the current ones.
-    snap = tr._nft_snapshot[1]
+    snap = tr.estimator.snapshot[1]
     assert all(torch.equal(s, q) for s, q in zip(snap.values, before))
 
 

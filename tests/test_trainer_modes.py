@@ -125,9 +125,9 @@ def test_mixgrpo_trains_only_its_window(setup):
     loss, _, cost = _estimator_loss(model, ro, adv, sigmas, cfg, None, step=4, generator=g)
     assert cost["grad_samples"] == 3 * 4
     lp, _ = trajectory_log_probs(model, ro, sigmas, noise_level=0.7, mode="exact")
-    from jagg_autograd.trainer import _grpo_loss_mean
+    from jagg_autograd.estimators import grpo_loss_mean
 
-    ref, _ = _grpo_loss_mean(lp[2:5], ro.log_probs[2:5], adv, cfg)
+    ref, _ = grpo_loss_mean(lp[2:5], ro.log_probs[2:5], adv, cfg)
     torch.testing.assert_close(params_grad(loss, model), params_grad(ref, model))
 
 

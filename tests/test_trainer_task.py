@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+import jagg_autograd.runlog as runlog_mod
 import jagg_autograd.trainer as trainer_mod
+from jagg_autograd.estimators import ESTIMATORS, grpo_loss_mean
 from jagg_autograd.grpo import (
     flow_match_sigmas,
     scheduler_sigmas,
@@ -27,7 +29,6 @@ from jagg_autograd.trainer import (
     GRPOConfig,
     GRPOTrainer,
     TrainingDivergedError,
-    _grpo_loss_mean,
     train,
 )
 
@@ -223,19 +224,20 @@ def test_on_policy_minibatches_and_optimizer_steps():
 def test_accumulated_gradient_is_the_mean_of_minibatch_gradients(monkeypatch):
     """The optimizer sees sum_i grad(loss_i) / GA (Flow-GRPO's accumulation, one backward
     per minibatch), measured independently of the trainer's own backward."""
-    tr = GRPOTrainer(_toy(gradient_accumulation_steps=2, max_grad_norm=None), task=ToyTask())
     seen, expected = [], []
-    orig = trainer_mod._minibatch_loss
 
-    def spy(t, mb, **kw):
-        loss, infos, cost = orig(t, mb, **kw)
-        expected.append(torch.autograd.grad(loss, t.params, retain_graph=True))
-        return loss, infos, cost
+    class Spy(ESTIMATORS["jagg"]):  # the seam: the estimator registry
+        def loss(self, ctx, mb, **kw):
+            res = super().loss(ctx, mb, **kw)
+            expected.append(torch.autograd.grad(res.loss, ctx.params, retain_graph=True))
+            return res
+
+    monkeypatch.setitem(ESTIMATORS, "jagg", Spy)
+    tr = GRPOTrainer(_toy(gradient_accumulation_steps=2, max_grad_norm=None), task=ToyTask())
 
     def step(*a, **k):
         seen.append([p.grad.clone() for p in tr.params])
 
-    monkeypatch.setattr(trainer_mod, "_minibatch_loss", spy)
     monkeypatch.setattr(tr.optimizer, "step", step)
     tr.step()
     assert len(seen) == 1 and len(expected) == 2
@@ -288,16 +290,16 @@ def test_kl_reference_once_per_rollout_and_zero_at_start():
 
 def test_kl_is_zero_for_the_reference_itself(monkeypatch):
     """At the start (policy == reference) the first minibatch's KL is exactly 0."""
+    kls = []
+
+    class Spy(ESTIMATORS["jagg"]):  # the seam: the estimator's loss hook
+        def policy_loss(self, lp, old, adv, kl):
+            kls.append(kl.detach().clone())
+            return super().policy_loss(lp, old, adv, kl)
+
+    monkeypatch.setitem(ESTIMATORS, "jagg", Spy)
     cfg = _toy(beta=1.0, optimizer_steps_per_rollout=2, steps=1, batching="per_step")
     tr = GRPOTrainer(cfg, task=ToyTask())
-    kls = []
-    orig = trainer_mod._grpo_loss_mean
-
-    def spy(lp, old, adv, config, kl=None):
-        kls.append(kl.detach().clone())
-        return orig(lp, old, adv, config, kl)
-
-    monkeypatch.setattr(trainer_mod, "_grpo_loss_mean", spy)
     tr.step()
     assert torch.equal(kls[0], torch.zeros_like(kls[0]))
     assert float(kls[1].abs().max()) > 0.0
@@ -307,7 +309,9 @@ def test_kl_is_zero_for_the_reference_itself(monkeypatch):
 
 
 def _core() -> bool:
-    return trainer_mod._core_available()
+    from jagg_autograd.estimators.jagg import core_available
+
+    return core_available()
 
 
 @pytest.mark.skipif(not _core(), reason="jagg_trajectory has no values= in this build")
@@ -403,7 +407,7 @@ def test_grid_keeps_the_same_evaluation_samples_before_and_after(tmp_path, monke
         saved.update(images=images, captions=list(captions), ncols=ncols)
         return path
 
-    monkeypatch.setattr(trainer_mod, "save_grid", fake_save_grid)
+    monkeypatch.setattr(runlog_mod, "save_grid", fake_save_grid)
 
     class Known(ToyTask):
         """Reward 0.2 * prompt + 0.01 * position: every caption's score is known."""
@@ -435,11 +439,14 @@ def test_grid_keeps_the_same_evaluation_samples_before_and_after(tmp_path, monke
 
 
 def test_unwritable_out_fails_before_training(tmp_path, monkeypatch):
+    from jagg_autograd import tasks
+
     (tmp_path / "log.json").mkdir()
     built = []
-    monkeypatch.setattr(trainer_mod, "_resolve_task", lambda *a: built.append(1))
+    monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks._REGISTRY))  # the task registry seam
+    register_task("spy", lambda **kw: built.append(1))
     with pytest.raises(ValueError, match="out="):
-        GRPOTrainer(GRPOConfig(**TINY, out=str(tmp_path)))
+        GRPOTrainer(GRPOConfig(**TINY, task="spy", out=str(tmp_path)))
     assert not built  # nothing was loaded or trained
 
 
@@ -480,15 +487,15 @@ def test_demo_ctrl_c_exits_non_zero(tmp_path, monkeypatch, capsys):
 
 
 def test_non_finite_loss_names_the_step_and_keeps_the_log(tmp_path, monkeypatch):
-    orig = trainer_mod._grpo_loss_mean
     calls = []
 
-    def inf_loss(*a, **k):
-        loss, infos = orig(*a, **k)
-        calls.append(1)
-        return (loss + float("inf") if len(calls) == 2 else loss), infos
+    class InfLoss(ESTIMATORS["jagg"]):  # the seam: the estimator's loss hook
+        def policy_loss(self, *a, **k):
+            loss, infos = super().policy_loss(*a, **k)
+            calls.append(1)
+            return (loss + float("inf") if len(calls) == 2 else loss), infos
 
-    monkeypatch.setattr(trainer_mod, "_grpo_loss_mean", inf_loss)
+    monkeypatch.setitem(ESTIMATORS, "jagg", InfLoss)
     with pytest.raises(TrainingDivergedError, match="GRPO step 1: the loss is inf"):
         train(GRPOConfig(**dict(TINY, steps=3), out=str(tmp_path)))
     log = json.loads((tmp_path / "log.json").read_text())
@@ -552,7 +559,7 @@ def test_loss_mean_is_over_trained_steps():
     lp = torch.randn(3, 4)
     adv = torch.randn(4)
     cfg = GRPOConfig(clip_range=10.0)
-    loss, _ = _grpo_loss_mean(lp, lp.detach(), adv, cfg)
+    loss, _ = grpo_loss_mean(lp, lp.detach(), adv, cfg)
     torch.testing.assert_close(loss, -(adv.clamp(-5, 5)).mean())
 
 

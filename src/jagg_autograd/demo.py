@@ -3,43 +3,68 @@
 Run ``python -m jagg_autograd.demo`` (or ``jagg-demo``) with no arguments for the default
 run (a few minutes on a 2-core CPU); ``--help`` lists the options. The run writes
 ``log.json``, ``reward.png`` and ``grid.png`` (held-out samples before and after training)
-to ``--out`` and prints a one-paragraph summary. The
-training loop itself is :func:`jagg_autograd.trainer.train`; this module is only its CLI.
+to ``--out`` and prints a one-paragraph summary. The training loop itself is
+:func:`jagg_autograd.trainer.train`; this module is only its CLI.
+
+The CLI is generated from :class:`~jagg_autograd.config.GRPOConfig`'s fields (flag
+``--a-b`` for field ``a_b``, help, group and choices from the field's metadata), so a new
+field, estimator or task needs no edit here.  ``--config FILE`` (YAML or JSON) sets any
+field; precedence, lowest first: the field's default, the task's ``demo_defaults``, the
+file, the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import json
 import math
 import sys
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from jagg_autograd.tasks import task_factory, task_names
-from jagg_autograd.trainer import (
-    MODES,
-    PLACEMENTS,
-    PRECISIONS,
-    SAMPLERS,
-    SCHEDULES,
-    SDE_TYPES,
-    STEP_SELECTIONS,
-    TUNING,
-    GRPOConfig,
-    TrainingDivergedError,
-    train,
-)
-from jagg_autograd.window import BATCHINGS
+from jagg_autograd.config import GROUPS, GRPOConfig
+from jagg_autograd.tasks import task_factory
+from jagg_autograd.trainer import TrainingDivergedError, train
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "load_config_file", "main", "parse_config"]
 
-_DEFAULTS = GRPOConfig()
+_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+_HINTS = typing.get_type_hints(GRPOConfig)
+
+
+def _cli_fields() -> list[dataclasses.Field]:
+    return [f for f in _FIELDS.values() if f.metadata.get("cli", True)]
+
+
+def _scalar_type(name: str) -> tuple[type, bool]:
+    """``(type, optional)`` of field ``name`` (``int | None`` -> ``(int, True)``)."""
+    hint = _HINTS[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args and len(args) < len(typing.get_args(hint)):
+        return args[0], True
+    return hint, False
+
+
+def _converter(name: str) -> Callable[[str], Any]:
+    """The string converter of field ``name`` ("none" is None for an optional field)."""
+    typ, optional = _scalar_type(name)
+
+    def convert(text: str) -> Any:
+        if optional and text.strip().lower() == "none":
+            return None
+        return typ(text)
+
+    convert.__name__ = typ.__name__  # argparse names the type in its error messages
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The demo's argument parser (defaults are :class:`GRPOConfig`'s, shown by ``--help``)."""
-    d = _DEFAULTS
+    """The demo's argument parser, generated from :class:`GRPOConfig`'s fields (defaults
+    are the config's, shown by ``--help``)."""
     p = argparse.ArgumentParser(
         prog="jagg-demo",
         description=(
@@ -49,180 +74,65 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--task", choices=task_names(), default=d.task, help="the GRPO task")
-    g = p.add_argument_group("gradient")
-    g.add_argument(
-        "--mode",
-        choices=MODES,
-        default=d.mode,
-        help="exact, JAGG, JAGG + router, or the baselines subsample (DanceGRPO) / mixgrpo",
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML or JSON file of GRPOConfig fields (any field, e.g. task_options); "
+        "flags given on the command line override it",
     )
-    g.add_argument(
-        "--window", type=int, default=d.window, help="JAGG window W (>= 2); mixgrpo: its window"
-    )
-    g.add_argument(
-        "--shared-anchors",
-        action=argparse.BooleanOptionalAction,
-        default=d.shared_anchors,
-        help="adjacent windows share their boundary anchor",
-    )
-    g.add_argument("--threshold", type=float, default=d.threshold, help="router threshold")
-    g.add_argument(
-        "--jagg-frac", type=float, default=d.jagg_frac, help="router jagg_frac (None: off)"
-    )
-    g.add_argument(
-        "--subsample-steps",
-        type=int,
-        default=d.subsample_steps,
-        help="--mode subsample: steps per sample (None: the JAGG anchor count)",
-    )
-    g.add_argument(
-        "--mix-shift-interval",
-        type=int,
-        default=d.mix_shift_interval,
-        help="--mode mixgrpo: GRPO steps per window move (None: one sweep of the run)",
-    )
-    g.add_argument(
-        "--batching",
-        choices=BATCHINGS,
-        default=d.batching,
-        help="stacked: fewest model calls; per_step: bit-identical to the rollout",
-    )
-    g.add_argument(
-        "--reuse-values",
-        action=argparse.BooleanOptionalAction,
-        default=d.reuse_values,
-        help="on-policy minibatches reuse the rollout's velocities (values=, deferred)",
-    )
-    g.add_argument(
-        "--deferred",
-        action=argparse.BooleanOptionalAction,
-        default=d.deferred,
-        help="anchors run with grad in the backward, chunk by chunk (every minibatch)",
-    )
-    g.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default=d.placement,
-        help="anchor placement (adaptive runs every minibatch deferred; router: uniform)",
-    )
-    g.add_argument(
-        "--budget",
-        type=float,
-        default=d.budget,
-        help="adaptive placement: mean anchors per sample (None: the uniform count)",
-    )
-    g.add_argument(
-        "--chunk-size", type=int, default=d.chunk_size, help="samples per anchor / no-grad call"
-    )
-    r = p.add_argument_group("rollout")
-    r.add_argument("--steps", type=int, default=d.steps, help="GRPO steps")
-    r.add_argument(
-        "--prompts-per-step", type=int, default=d.prompts_per_step, help="prompts per rollout"
-    )
-    r.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
-    r.add_argument("--num-steps", type=int, default=d.num_steps, help="sampler steps T")
-    r.add_argument("--noise-level", type=float, default=d.noise_level, help="SDE eta")
-    r.add_argument("--sde-type", choices=SDE_TYPES, default=d.sde_type, help="SDE step")
-    r.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="sigma schedule")
-    r.add_argument("--shift", type=float, default=d.shift, help="shift of --schedule shifted")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
-    o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
-    o.add_argument("--clip-range", type=float, default=d.clip_range, help="PPO ratio clip")
-    o.add_argument("--adv-clip-max", type=float, default=d.adv_clip_max, help="advantage clip")
-    o.add_argument("--beta", type=float, default=d.beta, help="KL weight (0: no reference)")
-    o.add_argument(
-        "--max-grad-norm", type=float, default=d.max_grad_norm, help="<= 0 turns clipping off"
-    )
-    o.add_argument(
-        "--optimizer-steps-per-rollout",
-        "--minibatches",
-        dest="optimizer_steps_per_rollout",
-        type=int,
-        default=d.optimizer_steps_per_rollout,
-        help="optimizer steps per rollout and epoch (--minibatches: the old name)",
-    )
-    o.add_argument(
-        "--gradient-accumulation-steps",
-        type=int,
-        default=d.gradient_accumulation_steps,
-        help="minibatches per optimizer step",
-    )
-    o.add_argument(
-        "--num-inner-epochs", type=int, default=d.num_inner_epochs, help="passes per rollout"
-    )
-    o.add_argument(
-        "--timestep-fraction",
-        type=float,
-        default=d.timestep_fraction,
-        help="fraction of the steps trained per sample",
-    )
-    o.add_argument(
-        "--timestep-selection",
-        choices=STEP_SELECTIONS,
-        default=d.timestep_selection,
-        help="prefix (Flow-GRPO) or random per sample (DanceGRPO)",
-    )
-    o.add_argument(
-        "--tuning",
-        choices=TUNING,
-        default=d.tuning,
-        help="full fine-tuning or LoRA adapters (needs peft)",
-    )
-    o.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank")
-    m = p.add_argument_group("run")
-    m.add_argument(
-        "--eval-per-digit",
-        type=int,
-        default=d.eval_per_digit,
-        help="held-out samples per digit (0: no evaluation)",
-    )
-    m.add_argument(
-        "--eval-every", type=int, default=d.eval_every, help="also evaluate every N steps"
-    )
-    m.add_argument(
-        "--eval-sampler", choices=SAMPLERS, default=d.eval_sampler, help="evaluation sampler"
-    )
-    m.add_argument(
-        "--eval-seed", type=int, default=d.eval_seed, help="evaluation noise (None: seed+10000)"
-    )
-    m.add_argument(
-        "--grid-samples",
-        type=int,
-        default=d.grid_samples,
-        help="held-out pictures before/after training in grid.png (0: no grid)",
-    )
-    m.add_argument(
-        "--probe-every",
-        type=int,
-        default=d.probe_every,
-        help="gradient cosine to exact every N steps (0: off)",
-    )
-    m.add_argument("--seed", type=int, default=d.seed, help="prompts and noise")
-    m.add_argument("--device", default=d.device, help="cpu or cuda (cuda:N)")
-    m.add_argument(
-        "--precision", choices=PRECISIONS, default=d.precision, help="bf16: autocast model"
-    )
-    m.add_argument("--out", default="jagg_demo_out", help="folder for log.json and reward.png")
-    m.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
-    m.add_argument(
-        "--no-progress", action="store_true", default=False, help="hide the progress bar"
-    )
+    groups = {g: p if g == "task" else p.add_argument_group(g) for g in GROUPS}
+    for f in _cli_fields():
+        meta = f.metadata
+        kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        kw["default"] = meta.get("cli_default", f.default)
+        if _HINTS[f.name] is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _converter(f.name)
+            choices = meta.get("choices")
+            if choices is not None:
+                kw["choices"] = tuple(choices() if callable(choices) else choices)
+        flags = [f"--{f.name.replace('_', '-')}", *meta.get("flags", ())]
+        groups[meta["group"]].add_argument(*flags, **kw)
     return p
 
 
-_FIELDS = (
-    "task", "steps", "prompts_per_step", "group_size", "num_steps", "noise_level", "sde_type",
-    "schedule", "shift", "mode", "window", "shared_anchors", "threshold", "jagg_frac",
-    "subsample_steps", "mix_shift_interval", "timestep_fraction", "timestep_selection",
-    "batching", "reuse_values", "deferred", "placement", "budget", "chunk_size", "lr",
-    "weight_decay", "clip_range", "adv_clip_max", "beta", "optimizer_steps_per_rollout",
-    "gradient_accumulation_steps", "num_inner_epochs", "tuning", "lora_rank",
-    "eval_per_digit", "eval_every", "eval_sampler", "eval_seed", "grid_samples",
-    "probe_every", "seed",
-    "device", "precision", "out", "threads",
-)  # fmt: skip
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The fields set by a YAML or JSON file (``ValueError`` naming unknown keys).
+
+    Strings given for numeric fields are converted as on the command line (YAML reads
+    ``1e-4`` as a string)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--config {str(path)!r}: cannot read it ({exc})") from exc
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise ValueError(f"--config {str(path)!r}: not valid YAML/JSON ({exc})") from exc
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {str(path)!r}: expected a mapping of field: value")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--config {str(path)!r}: unknown GRPOConfig field(s) {unknown} "
+            f"(the fields: {sorted(_FIELDS)})"
+        )
+    out = {}
+    for name, value in data.items():
+        typ, _ = _scalar_type(name)
+        if isinstance(value, str) and typ in (int, float):
+            value = _converter(name)(value)
+        out[name] = value
+    return out
 
 
 def _task_demo_defaults(name: str) -> dict[str, Any]:
@@ -230,7 +140,7 @@ def _task_demo_defaults(name: str) -> dict[str, Any]:
     building the task), restricted to the demo's flags."""
     factory = task_factory(name)
     defaults = dict(getattr(factory, "demo_defaults", {}) or {})
-    unknown = sorted(set(defaults) - set(_FIELDS))
+    unknown = sorted(set(defaults) - {f.name for f in _cli_fields()})
     if unknown:
         raise ValueError(f"task {name!r}: demo_defaults has no demo flag(s) {unknown}")
     return defaults
@@ -238,18 +148,36 @@ def _task_demo_defaults(name: str) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """A validated :class:`GRPOConfig` from parsed arguments (``ValueError`` if bad)."""
-    mgn = args.max_grad_norm
+    values = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    mgn = values.get("max_grad_norm")
     if mgn is not None and math.isfinite(mgn) and mgn <= 0:
-        mgn = None
-    cfg = GRPOConfig(
-        **{k: getattr(args, k) for k in _FIELDS},
-        max_grad_norm=mgn,
-        progress=not args.no_progress,
-    )
+        values["max_grad_norm"] = None
+    cfg = GRPOConfig(**values)
     cfg.validate()
     if cfg.tuning == "lora" and importlib.util.find_spec("peft") is None:
         raise ValueError("tuning='lora' needs peft: pip install peft (or use --tuning full)")
     return cfg
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` over the task's demo defaults and the ``--config`` file."""
+    args = parser.parse_args(argv)
+    from_file = load_config_file(args.config) if args.config else {}
+    if from_file:  # the file may name the task whose demo defaults apply
+        parser.set_defaults(**from_file)
+        args = parser.parse_args(argv)
+    # The task's own demo defaults (e.g. the shapes task's lr and steps) replace the
+    # GRPOConfig defaults, never a value from the file or a flag: parse again with them.
+    task_defaults = _task_demo_defaults(args.task)
+    if task_defaults:
+        parser.set_defaults(**{**task_defaults, **from_file})
+        args = parser.parse_args(argv)
+    return args
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
+    """The validated :class:`GRPOConfig` of a command line (``ValueError`` if bad)."""
+    return config_from_args(_parse(build_parser(), argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,15 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``log.json`` with its finished steps in ``--out``.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    # The task's own demo defaults (e.g. the shapes task's lr and steps) replace the
-    # GRPOConfig defaults, never a flag given on the command line: parse again with them.
-    task_defaults = _task_demo_defaults(args.task)
-    if task_defaults:
-        parser.set_defaults(**task_defaults)
-        args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(_parse(parser, argv))
     except ValueError as exc:
         # argparse's error(): usage + message on stderr, exit status 2, like a type error.
         parser.error(str(exc))

@@ -1,0 +1,352 @@
+"""``GRPOConfig``: the settings of one online GRPO run, and their checks.
+
+A flat dataclass (the field names are the API, the logged ``config`` and the CLI flags of
+``jagg-demo``): each field carries its help, its group and, where it has them, its choices
+in ``field(metadata=...)``, from which :mod:`jagg_autograd.demo` generates its parser.  The
+checks that apply to every mode are a table (:data:`_RULES`); what only one estimator
+needs is checked by that estimator (:meth:`jagg_autograd.estimators.Estimator.check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
+from jagg_autograd.grpo import shifted_sigma_schedule
+from jagg_autograd.rollout import STEP_SELECTIONS
+from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
+from jagg_autograd.tasks import GRPOTask, task_factory, task_names
+from jagg_autograd.window import BATCHINGS
+
+__all__ = [
+    "GROUPS",
+    "PLACEMENTS",
+    "PRECISIONS",
+    "SAMPLERS",
+    "SCHEDULES",
+    "SDE_TYPES",
+    "TUNING",
+    "GRPOConfig",
+    "sigma_schedule",
+]
+
+SAMPLERS = ("sde", "ode")
+SCHEDULES = ("linear", "shifted")
+TUNING = ("full", "lora")
+PRECISIONS = ("fp32", "bf16")
+PLACEMENTS = ("uniform", "adaptive")
+SDE_TYPES = ("flow", "dance")
+#: The field groups, in the order ``--help`` lists them.
+GROUPS = ("task", "gradient", "rollout", "optimisation", "run")
+
+
+def _modes() -> tuple[str, ...]:
+    return tuple(ESTIMATORS)  # the live registry: a registered estimator is a mode
+
+
+def _f(default: Any, group: str, help: str, **meta: Any) -> Any:
+    """A field with its help and group (``meta``: ``choices`` (a tuple or a callable giving
+    one), ``flags`` (extra option strings), ``cli`` (False: no flag; a config file still
+    sets it), ``cli_default`` (the CLI's default where it differs))."""
+    metadata = {"group": group, "help": help, **meta}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class GRPOConfig:
+    """Settings of one online GRPO run (defaults = the digits demo's defaults).
+
+    The defaults make the default run visibly learn on a 2-core CPU in a few minutes:
+
+    * 32 trajectories per step as 8 prompts x 4 samples: covering most digits every step
+      makes the per-step reward curve far less noisy than 4 x 8 (which learned as well);
+    * the full DiT (0.6 M parameters) with AdamW at ``lr=1e-4``: in 40-step trials full
+      fine-tuning at 1e-4 raised the fixed-noise reward by +0.22 (3e-5: +0.11, 3e-4: +0.20
+      but noisier) and rank-8 LoRA at 1e-3 by only +0.06;
+    * the linear schedule ``sigma_i = 1 - i/T`` the DiT was trained and evaluated on, 10 SDE
+      steps at ``eta = 0.7``, JAGG with window 4 and shared anchors (4 anchors of 10 steps);
+    * one optimizer step per rollout, so every ratio is exactly 1 when the gradient is
+      taken and ``clip_range`` (Flow-GRPO's 1e-4, kept) only acts with
+      ``optimizer_steps_per_rollout > 1`` or ``num_inner_epochs > 1``, on the minibatches
+      trained after an earlier optimizer step of the same rollout;
+    * ``reuse_values`` and ``deferred`` on, ``placement="uniform"`` (4 anchors of 10
+      steps), no router: the second quality study (``python -m benchmarks.quality``,
+      digits, 4 seeds x 60 steps) measured this final held-out reward +0.02 % of exact
+      GRPO's at 0.463 of its training time (0.614 of the whole step), peak saved bytes at
+      the per-step loop's (1.00x on digits, 1.02x on shapes, where the eager path needed
+      3.98x / 4.01x); today's eager path (W = 4 + router 0.7, which routed 1 % of windows
+      on digits and 2.4 % on shapes) +0.19 % at 0.582; adaptive placement (the higher
+      gradient cosine, 0.962 vs 0.943) -2.5 % (budget 4), +1.5 % (3) and -7.9 % (5), and
+      slower: see ``benchmarks/results/quality2/QUALITY.md``.
+
+    Every field's help is in its metadata (``dataclasses.fields(GRPOConfig)``, or
+    ``jagg-demo --help``).
+    """
+
+    task: str = _f("digits", "task", "the GRPO task: a registered name "
+                   "(jagg_autograd.tasks.get_task); a task object given to GRPOTrainer "
+                   "replaces it", choices=task_names)  # fmt: skip
+    task_options: dict[str, Any] = _f({}, "task", "keyword options of the task's factory "
+                                      "(digits also gets eval_per_digit)", cli=False)  # fmt: skip
+    steps: int = _f(60, "rollout", "GRPO steps (rollout + optimizer steps)")
+    prompts_per_step: int = _f(8, "rollout", "distinct prompts per rollout (digits: drawn "
+                               "without replacement from 0..9)")  # fmt: skip
+    group_size: int = _f(4, "rollout", "samples per prompt; advantages are normalised within "
+                         "each group")  # fmt: skip
+    num_steps: int = _f(10, "rollout", "sampler steps T of a trajectory")
+    noise_level: float = _f(0.7, "rollout", "SDE noise level eta of Flow-GRPO's step")
+    sde_type: str = _f("flow", "rollout", "SDE step: flow (Flow-GRPO) or dance (DanceGRPO)",
+                       choices=SDE_TYPES)  # fmt: skip
+    schedule: str = _f("linear", "rollout", "sigma schedule: linear (sigma_i = 1 - i/T, the "
+                       "digits DiT's) or shifted (FLUX/DanceGRPO's)",
+                       choices=SCHEDULES)  # fmt: skip
+    shift: float = _f(3.0, "rollout", "shift of --schedule shifted")
+    mode: str = _f("jagg", "gradient", "the gradient estimator (jagg_autograd.estimators): "
+                   "exact, JAGG, JAGG + router, or the baselines subsample (DanceGRPO), "
+                   "mixgrpo (MixGRPO's sliding window), nft (DiffusionNFT's loss)",
+                   choices=_modes)  # fmt: skip
+    exact_loop: bool = _f(True, "gradient", "--mode exact: forward + backward one trained "
+                          "step at a time like Flow-GRPO's loop (one step's activations); "
+                          "off: one batched call and backward (the oracle)")  # fmt: skip
+    nft_beta: float = _f(1.0, "gradient", "--mode nft: DiffusionNFT's beta, the step of the "
+                         "implicit policies v+ = beta v + (1 - beta) v_old")  # fmt: skip
+    nft_timesteps: int = _f(4, "gradient", "--mode nft: training timesteps drawn per sample "
+                            "and minibatch")  # fmt: skip
+    track_memory: bool = _f(False, "run", "log peak_saved_bytes, the peak of live "
+                            "tensors saved for backward in the training phase (hooks cost "
+                            "time)")  # fmt: skip
+    window: int = _f(4, "gradient", "JAGG window W (steps per window, anchors included, "
+                     ">= 2); --mode mixgrpo: its SDE window")  # fmt: skip
+    shared_anchors: bool = _f(True, "gradient", "adjacent windows share their boundary anchor")
+    threshold: float = _f(DEFAULT_THRESHOLD, "gradient", "--mode router: CosineRouter threshold")
+    jagg_frac: float | None = _f(DEFAULT_JAGG_FRAC, "gradient", "--mode router: CosineRouter "
+                                 "jagg_frac (None: off)")  # fmt: skip
+    subsample_steps: int | None = _f(None, "gradient", "--mode subsample: steps trained "
+                                     "per sample, drawn at random (None: JAGG's anchor "
+                                     "count)")  # fmt: skip
+    mix_shift_interval: int | None = _f(None, "gradient", "--mode mixgrpo: GRPO steps per "
+                                        "window move (None: one sweep of the run)")  # fmt: skip
+    timestep_fraction: float = _f(1.0, "optimisation", "fraction of the T steps trained per "
+                                  "sample, T' = max(1, int(T * fraction))")  # fmt: skip
+    timestep_selection: str = _f("prefix", "optimisation", "which T' steps: prefix "
+                                 "(Flow-GRPO) or random per sample (DanceGRPO)",
+                                 choices=STEP_SELECTIONS)  # fmt: skip
+    batching: str = _f("stacked", "gradient", "stacked: fewest model calls; per_step: "
+                       "bit-identical to the rollout", choices=BATCHINGS)  # fmt: skip
+    reuse_values: bool = _f(True, "gradient", "on-policy minibatches reuse the rollout's "
+                            "velocities (values=, deferred); jagg and router only")  # fmt: skip
+    deferred: bool = _f(True, "gradient", "anchors run with grad in the backward, chunk by "
+                        "chunk (every minibatch; per-step-loop activation memory)")  # fmt: skip
+    placement: str = _f("uniform", "gradient", "anchor placement: uniform (the window "
+                        "layout) or adaptive (chosen in the backward; every minibatch runs "
+                        "deferred; router: uniform)", choices=PLACEMENTS)  # fmt: skip
+    budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
+                              "(None: the uniform count)")  # fmt: skip
+    chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
+                                "jagg_trajectory's default)")  # fmt: skip
+    lr: float = _f(1e-4, "optimisation", "AdamW learning rate")
+    weight_decay: float = _f(0.0, "optimisation", "AdamW weight decay (0: the pretrained "
+                             "weights are the prior, not 0)")  # fmt: skip
+    clip_range: float = _f(1e-4, "optimisation", "PPO ratio clip of the GRPO loss "
+                           "(Flow-GRPO's)")  # fmt: skip
+    adv_clip_max: float = _f(5.0, "optimisation", "advantages are clipped to +-adv_clip_max")
+    beta: float = _f(0.0, "optimisation", "weight of the KL to the reference policy (0: off, "
+                     "no reference pass)")  # fmt: skip
+    max_grad_norm: float | None = _f(1.0, "optimisation", "gradient-norm clip (None or <= 0 "
+                                     "on the command line: off)")  # fmt: skip
+    optimizer_steps_per_rollout: int = _f(1, "optimisation", "optimizer steps per rollout "
+                                          "and epoch (Flow-GRPO: 2; --minibatches: the old "
+                                          "name)", flags=("--minibatches",))  # fmt: skip
+    minibatches: int | None = _f(None, "optimisation", "old name of "
+                                 "optimizer_steps_per_rollout (moved there, then None)",
+                                 cli=False)  # fmt: skip
+    gradient_accumulation_steps: int = _f(1, "optimisation", "minibatches per optimizer "
+                                          "step (one JAGG call per minibatch covers all its "
+                                          "trained steps)")  # fmt: skip
+    num_inner_epochs: int = _f(1, "optimisation", "passes over the rollout's minibatches")
+    tuning: str = _f("full", "optimisation", "full fine-tuning or LoRA adapters (needs peft)",
+                     choices=TUNING)  # fmt: skip
+    lora_rank: int = _f(8, "optimisation", "LoRA rank (--tuning lora)")
+    eval_per_digit: int = _f(16, "run", "held-out evaluation size: the digits task's samples "
+                             "per digit (0: no evaluation)")  # fmt: skip
+    eval_every: int = _f(0, "run", "also evaluate every N GRPO steps (0: only before and "
+                         "after)")  # fmt: skip
+    eval_sampler: str = _f("sde", "run", "evaluation sampler: the rollout's SDE with fixed "
+                           "noise, or the deterministic ODE", choices=SAMPLERS)  # fmt: skip
+    eval_seed: int | None = _f(None, "run", "seed of the evaluation noise (None: seed + "
+                               "10000, disjoint from training)")  # fmt: skip
+    grid_samples: int = _f(8, "run", "held-out pictures of the first and last evaluation in "
+                           "grid.png (0: no grid)")  # fmt: skip
+    probe_every: int = _f(0, "run", "every N GRPO steps, the gradient cosine / relative "
+                          "error of the estimator to exact on a fresh batch (0: off)")  # fmt: skip
+    seed: int = _f(0, "run", "seeds the prompts, the rollout noise and the evaluation noise")
+    device: str = _f("cpu", "run", "cpu or cuda (cuda:N); noise is drawn on the CPU")
+    precision: str = _f("fp32", "run", "fp32, or bf16 (the model under autocast; latents, "
+                        "log-probs and the loss in fp32)", choices=PRECISIONS)  # fmt: skip
+    out: str | None = _f(None, "run", "folder for log.json, reward.png and grid.png (None: "
+                         "nothing written)", cli_default="jagg_demo_out")  # fmt: skip
+    # 1 by default: on a shared 2-core machine two intra-op threads contend with other
+    # processes and ran up to 20x slower than one, while this small model gains little.
+    threads: int | None = _f(1, "run", "torch intra-op threads (None: leave torch's)")
+    progress: bool = _f(True, "run", "show a progress bar")
+
+    def __post_init__(self) -> None:
+        if self.minibatches is not None:
+            if self.optimizer_steps_per_rollout not in (1, self.minibatches):
+                raise ValueError(
+                    f"minibatches={self.minibatches!r} is the old name of "
+                    f"optimizer_steps_per_rollout={self.optimizer_steps_per_rollout!r}: give one"
+                )
+            self.optimizer_steps_per_rollout = self.minibatches
+            self.minibatches = None
+
+    def estimator(self) -> Estimator:
+        """A fresh estimator of this config's ``mode`` (``ValueError`` if none is registered)."""
+        return get_estimator(self.mode)(self)
+
+    @property
+    def num_minibatches(self) -> int:
+        """Minibatches per rollout: optimizer steps per epoch x accumulation steps."""
+        return self.optimizer_steps_per_rollout * self.gradient_accumulation_steps
+
+    @property
+    def num_train_steps(self) -> int:
+        """T': the steps trained per sample (the estimator's: e.g. ``subsample_steps``)."""
+        return self.estimator().num_train_steps()
+
+    def validate(self, task: GRPOTask | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field.
+
+        ``task``: the task object the run uses (default: the registered ``self.task``),
+        whose ``max_prompts`` bounds ``prompts_per_step``.  The common rules come first,
+        then the estimator's own :meth:`~jagg_autograd.estimators.Estimator.check`.
+        """
+        for names, ok, what in _RULES:
+            for name in names:
+                v = getattr(self, name)
+                if not ok(v, self):
+                    choices = _choices_of(name) if "choices" in _FIELD_META[name] else None
+                    raise ValueError(
+                        f"{name} must be {what.format(c=self, choices=choices)}, got {v!r}"
+                    )
+            if names == ("task_options",):  # the task is known once its fields are sane
+                self._check_task(task)
+        est = self.estimator()
+        if self.probe_every and not est.supports_probe:
+            raise ValueError(
+                f"probe_every must be 0 with mode={self.mode!r} (the probe compares to the "
+                "exact GRPO gradient, which this estimator does not estimate)"
+            )
+        est.check()
+
+    def _check_task(self, task: GRPOTask | None) -> None:
+        source = task if task is not None else task_factory(self.task)
+        max_prompts = getattr(source, "max_prompts", None)
+        if max_prompts is not None and self.prompts_per_step > max_prompts:
+            name = getattr(source, "name", None) or self.task
+            raise ValueError(
+                f"prompts_per_step must be <= {max_prompts} (distinct prompts of task "
+                f"{name!r}), got {self.prompts_per_step}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolved(self) -> dict[str, Any]:
+        """:meth:`to_dict` plus what the run derives from it (logged as ``config``)."""
+        d = self.to_dict()
+        d["minibatches"] = self.optimizer_steps_per_rollout
+        d["num_minibatches"] = self.num_minibatches
+        d["num_train_steps"] = self.num_train_steps
+        self.estimator().resolve(d)
+        return d
+
+
+def sigma_schedule(config: GRPOConfig) -> torch.Tensor:
+    """``(num_steps + 1,)`` float64 sigmas from 1 to 0: linear ``1 - i/T`` or shifted."""
+    if config.schedule == "linear":
+        return torch.linspace(1.0, 0.0, config.num_steps + 1, dtype=torch.float64)
+    return shifted_sigma_schedule(config.num_steps, config.shift, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# the common checks: (fields, ok(value, config), "must be ...") in the order they run
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _choice(name: str) -> Callable[[Any, GRPOConfig], bool]:
+    return lambda v, c: v in _choices_of(name)
+
+
+def _choices_of(name: str) -> tuple[Any, ...]:
+    ch = _FIELD_META[name]["choices"]
+    return tuple(ch() if callable(ch) else ch)
+
+
+def _optional(ok: Callable[[Any, GRPOConfig], bool]) -> Callable[[Any, GRPOConfig], bool]:
+    return lambda v, c: v is None or ok(v, c)
+
+
+_FIELD_META = {f.name: f.metadata for f in dataclasses.fields(GRPOConfig)}
+_POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_steps_per_rollout",
+            "gradient_accumulation_steps", "num_inner_epochs", "lora_rank")  # fmt: skip
+_CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
+            "timestep_selection", "sde_type")  # fmt: skip
+
+_RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
+    (_POS_INT, lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
+    (("task",), lambda v, c: isinstance(v, str), "a registered task name"),
+    (("task_options",), lambda v, c: isinstance(v, dict), "a dict"),
+    (("group_size",), lambda v, c: v >= 2, ">= 2 (a group of one has advantage 0)"),
+    (("num_steps",), lambda v, c: v >= 2, ">= 2 (a trajectory of >= 2 steps)"),
+    *[((n,), _choice(n), "one of {choices}") for n in _CHOICES],
+    (("eval_every", "probe_every", "grid_samples"), lambda v, c: _is_int(v) and v >= 0,
+     "an int >= 0"),
+    (("eval_seed",), _optional(lambda v, c: _is_int(v)), "None or an int"),
+    (("subsample_steps",), _optional(lambda v, c: _is_int(v) and 1 <= v <= c.num_steps),
+     "None or an int in [1, num_steps={c.num_steps}]"),
+    (("mix_shift_interval",), _optional(lambda v, c: _is_int(v) and v >= 1),
+     "None or an int >= 1"),
+    (("jagg_frac",), _optional(lambda v, c: _is_real(v) and 0.0 <= v <= 1.0), "None or in [0, 1]"),
+    (("window",), lambda v, c: _is_int(v) and 2 <= v <= c.num_steps,
+     "an int in [2, num_steps={c.num_steps}]"),
+    (("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop", "track_memory"),
+     lambda v, c: isinstance(v, bool), "a bool"),
+    (("noise_level", "shift", "lr", "adv_clip_max"), lambda v, c: _is_real(v) and v > 0,
+     "a finite number > 0"),
+    (("weight_decay", "clip_range", "beta"), lambda v, c: _is_real(v) and v >= 0,
+     "a finite number >= 0"),
+    (("threshold",), lambda v, c: _is_real(v), "a finite number"),
+    (("max_grad_norm",), _optional(lambda v, c: _is_real(v) and v > 0), "None or > 0"),
+    (("timestep_fraction",), lambda v, c: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    (("nft_beta",), lambda v, c: _is_real(v) and v > 0, "a finite number > 0"),
+    (("nft_timesteps",), lambda v, c: _is_int(v) and v >= 1,
+     "an int in [1, num_steps={c.num_steps}]"),
+    (("budget",), _optional(lambda v, c: _is_real(v) and v > 0), "None or a finite number > 0"),
+    (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
+    (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),
+     "'cpu' or 'cuda' (or 'cuda:N')"),
+    (("optimizer_steps_per_rollout",),
+     lambda v, c: (c.prompts_per_step * c.group_size) % c.num_minibatches == 0,
+     "such that optimizer_steps_per_rollout (minibatches) x gradient_accumulation_steps = "
+     "{c.num_minibatches} divides the rollout batch prompts_per_step * group_size"),
+    (("eval_per_digit",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
+    (("seed",), lambda v, c: _is_int(v), "an int"),
+    (("threads",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
+]  # fmt: skip

@@ -1,0 +1,149 @@
+"""JAGG: the trained steps' velocities from one :func:`~jagg_autograd.jagg_trajectory` call
+whose backward runs through the window anchors only (``mode="jagg"``), optionally with the
+cosine router sending non-linear windows to the exact gradient (``mode="router"``).
+
+The execution path of a minibatch (logged in ``paths``):
+
+* ``"values+deferred"``: on-policy (no optimizer step since the rollout) with
+  ``reuse_values``: the rollout's velocities are passed as ``values=`` with
+  ``deferred=True``, so no model call is made but the anchors';
+* ``"deferred"``: ``deferred=True`` (or ``placement="adaptive"``, which always runs
+  deferred) without values: every step is recomputed, the anchors run with grad in the
+  backward, chunk by chunk;
+* ``"eager"``: today's library default, one with-grad forward of the anchors.
+
+``placement``/``budget`` apply to ``mode="jagg"`` only (the router uses the uniform layout).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from jagg_autograd.estimators.base import Estimator, LossContext, Minibatch, MinibatchResult
+from jagg_autograd.estimators.exact import fraction_note
+from jagg_autograd.rollout import policy_log_probs
+from jagg_autograd.router import CosineRouter
+from jagg_autograd.window import jagg_trajectory
+
+__all__ = ["JaggEstimator", "RouterEstimator", "core_available"]
+
+
+def core_available() -> bool:
+    """This build's :func:`jagg_trajectory` takes ``values=`` / ``deferred=`` / ``placement=``."""
+    return "values" in inspect.signature(jagg_trajectory).parameters
+
+
+class JaggEstimator(Estimator):
+    """JAGG windows of ``window`` steps (shared anchors by default) along each sample's
+    trained steps; values / deferred / adaptive placement as configured."""
+
+    name = "jagg"
+    router: CosineRouter | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config.placement == "adaptive"
+
+    def check(self) -> None:
+        super().check()
+        c = self.config
+        if (c.reuse_values or c.deferred or c.placement != "uniform") and not core_available():
+            raise ValueError(
+                "reuse_values / deferred / placement need jagg_trajectory(values=, deferred=, "
+                "placement=), which this build of jagg_autograd.window does not have"
+            )
+
+    def core_options(self, ctx: LossContext, reuse: bool) -> tuple[dict[str, Any], str]:
+        """The ``jagg_trajectory`` keywords of this minibatch's path, and the path's name."""
+        c = self.config
+        if not (reuse or c.deferred or self.adaptive):
+            return {}, "eager"
+        # Values are only ever used with the deferred backward (no forward at all but the
+        # anchors'); off-policy minibatches recompute every step.
+        kw: dict[str, Any] = {"deferred": True, "params": ctx.params}
+        if self.adaptive:
+            kw["placement"] = c.placement
+            if c.budget is not None:
+                kw["budget"] = c.budget
+        return kw, "values+deferred" if reuse else "deferred"
+
+    def loss(
+        self,
+        ctx: LossContext,
+        mb: Minibatch,
+        *,
+        generator: torch.Generator,
+        on_policy: bool,
+        scale: float = 1.0,
+        inline_backward: bool = False,
+    ) -> MinibatchResult:
+        c = self.config
+        reuse = c.reuse_values and on_policy
+        kw, path = self.core_options(ctx, reuse)
+        res = policy_log_probs(
+            ctx.policy, mb.traj, steps=mb.steps, noise_level=c.noise_level, mode="jagg",
+            window=c.window, shared_anchors=c.shared_anchors, router=self.router,
+            batching=c.batching, chunk_size=c.chunk_size, reuse_values=reuse, core_kwargs=kw,
+        )  # fmt: skip
+        loss, infos = self.policy_loss(res.log_probs, res.old_log_probs, mb.adv,
+                                       self.kl_terms(res, mb))  # fmt: skip
+        routed = float(res.stats.exact.float().mean())
+        return MinibatchResult(loss, infos, path, res.log_probs.numel(), routed_frac=routed,
+                               stats=res.stats)  # fmt: skip
+
+    @classmethod
+    def describe(cls, cfg: dict[str, Any]) -> str:
+        anchors = "shared" if cfg["shared_anchors"] else "disjoint"
+        txt = f"{cfg['mode']}, window {cfg['window']}, {anchors} anchors" + cls.router_words(cfg)
+        extras = []
+        if cfg.get("reuse_values"):
+            extras.append("on-policy values")
+        if cfg.get("deferred"):
+            extras.append("deferred backward")
+        if cfg.get("placement", "uniform") != "uniform":
+            budget = cfg.get("budget")
+            extras.append(
+                f"{cfg['placement']} placement" + (f" budget {budget:g}" if budget else "")
+            )
+        if extras:
+            txt += ", " + ", ".join(extras)
+        return txt + fraction_note(cfg)
+
+    @classmethod
+    def router_words(cls, cfg: dict[str, Any]) -> str:
+        return ""
+
+
+class RouterEstimator(JaggEstimator):
+    """JAGG + :class:`~jagg_autograd.CosineRouter` (``threshold``, ``jagg_frac``): samples
+    whose velocities are not near-linear on a window get the exact gradient there."""
+
+    name = "router"
+
+    @functools.cached_property
+    def router(self) -> CosineRouter:  # type: ignore[override]
+        return CosineRouter(self.config.threshold, self.config.jagg_frac)
+
+    @property
+    def adaptive(self) -> bool:
+        return False  # the router and the adaptive budget do not combine
+
+    def resolve(self, d: dict[str, Any]) -> None:
+        d["placement"] = "uniform"
+
+    @classmethod
+    def router_words(cls, cfg: dict[str, Any]) -> str:
+        txt = f", router threshold {cfg['threshold']:g}"
+        if cfg.get("jagg_frac") is not None:
+            txt += f" jagg_frac {cfg['jagg_frac']:g}"
+        return txt
+
+    @classmethod
+    def summary_note(cls, cfg: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+        routed = sum(r["routed_frac"] for r in rows) / len(rows)
+        return f" Mean exact-routed window fraction {routed:.2f}."
