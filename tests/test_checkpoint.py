@@ -67,8 +67,16 @@ def test_round_trip_is_bit_identical(tmp_path):
     for _ in range(2):
         train_step(model, opt, gens["train"])
     log = {"steps": [{"step": 0, "loss": 1.5}, {"step": 1, "loss": float("nan")}]}
-    path = save_checkpoint(tmp_path, 2, trainable=trainable(model), optimizer=opt,
-                           generators=gens, config=CONFIG, log=log, extra={"ema": [0.5]})
+    path = save_checkpoint(
+        tmp_path,
+        2,
+        trainable=trainable(model),
+        optimizer=opt,
+        generators=gens,
+        config=CONFIG,
+        log=log,
+        extra={"ema": [0.5]},
+    )
     assert path == tmp_path / "checkpoint-2" and (path / "weights.safetensors").is_file()
     torch.randn(100), random.random(), np.random.rand(5)  # disturb the global states
 
@@ -78,8 +86,14 @@ def test_round_trip_is_bit_identical(tmp_path):
             prm.add_(1.0)
     for g in gens2.values():
         torch.randn(10, generator=g)
-    got = load_checkpoint("latest", out_dir=tmp_path, trainable=model2, optimizer=opt2,
-                          generators=gens2, config={**CONFIG, "steps": 8, "out": "b"})
+    got = load_checkpoint(
+        "latest",
+        out_dir=tmp_path,
+        trainable=model2,
+        optimizer=opt2,
+        generators=gens2,
+        config={**CONFIG, "steps": 8, "out": "b"},
+    )
     assert got.step == 2 and got.extra == {"ema": [0.5]} and got.config == CONFIG
     assert got.log["steps"][0] == log["steps"][0] and np.isnan(got.log["steps"][1]["loss"])
     for _ in range(2):
