@@ -76,6 +76,7 @@ def test_round_trip_is_bit_identical(tmp_path):
         config=CONFIG,
         log=log,
         extra={"ema": [0.5]},
+        extra_tensors={"ema/w": torch.arange(3.0), "grid": torch.ones(2, 2, dtype=torch.uint8)},
     )
     assert path == tmp_path / "checkpoint-2" and (path / "weights.safetensors").is_file()
     torch.randn(100), random.random(), np.random.rand(5)  # disturb the global states
@@ -95,6 +96,9 @@ def test_round_trip_is_bit_identical(tmp_path):
         config={**CONFIG, "steps": 8, "out": "b"},
     )
     assert got.step == 2 and got.extra == {"ema": [0.5]} and got.config == CONFIG
+    assert got.extra_tensors.keys() == {"ema/w", "grid"}
+    assert torch.equal(got.extra_tensors["ema/w"], torch.arange(3.0))
+    assert got.extra_tensors["grid"].dtype == torch.uint8
     assert got.log["steps"][0] == log["steps"][0] and np.isnan(got.log["steps"][1]["loss"])
     for _ in range(2):
         train_step(model2, opt2, gens2["train"])

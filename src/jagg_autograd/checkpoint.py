@@ -8,6 +8,8 @@ A checkpoint holds everything a run needs to continue as if it had never stopped
 * ``rng.pt`` -- every random state: the named ``torch.Generator`` objects the run draws
   from, plus torch's global CPU and CUDA states, Python's ``random`` and numpy's global
   state (:func:`capture_rng_state`); several processes may pass one global state per rank;
+* ``extra.safetensors`` -- optional named tensors that are state but not trained (an EMA of
+  the weights, a stat tracker's buffers, the first evaluation's grid pictures...);
 * ``state.json`` -- the format version, the step, the config, the log so far and ``extra``
   (any JSON: running statistics, an EMA's step...). It is written last: a directory named
   ``checkpoint-<step>`` without a readable ``state.json`` is not a checkpoint.
@@ -51,6 +53,7 @@ __all__ = [
     "check_resume_config",
     "latest_checkpoint",
     "load_checkpoint",
+    "resolve_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -61,40 +64,21 @@ FORMAT_VERSION = 1
 #: optimizer moments or noise stream mean something else.  ``world_size`` is not a
 #: ``GRPOConfig`` field: the trainer adds it to the config it passes.  Keys absent from
 #: both configs are skipped; a key present on one side only counts as a mismatch.
+# fmt: off
 RESUME_KEYS: tuple[str, ...] = (
-    "task",
-    "task_options",
-    "tuning",
-    "lora_rank",
-    "precision",
-    "mode",
-    "window",
-    "shared_anchors",
-    "threshold",
-    "jagg_frac",
-    "subsample_steps",
-    "timestep_fraction",
-    "timestep_selection",
-    "placement",
-    "num_steps",
-    "schedule",
-    "shift",
-    "sde_type",
-    "noise_level",
-    "prompts_per_step",
-    "group_size",
-    "optimizer_steps_per_rollout",
-    "gradient_accumulation_steps",
-    "num_inner_epochs",
-    "beta",
-    "seed",
-    "world_size",
+    "task", "task_options", "tuning", "lora_rank", "precision", "mode", "window",
+    "shared_anchors", "threshold", "jagg_frac", "subsample_steps", "timestep_fraction",
+    "timestep_selection", "placement", "num_steps", "schedule", "shift", "sde_type",
+    "noise_level", "prompts_per_step", "group_size", "optimizer_steps_per_rollout",
+    "gradient_accumulation_steps", "num_inner_epochs", "beta", "seed", "world_size",
 )
+# fmt: on
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _STATE = "state.json"
 _WEIGHTS = "weights.safetensors"
 _ADAPTER = "adapter"
+_EXTRA = "extra.safetensors"
 _MISSING = "<absent>"
 
 
@@ -108,6 +92,7 @@ class Checkpoint:
     log: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ RNG state
@@ -244,6 +229,19 @@ def _json_safe(obj: Any, what: str) -> str:
         raise TypeError(f"{what} must be JSON-serialisable: {exc}") from exc
 
 
+def _install(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``final`` (replacing a checkpoint of the same
+    step, e.g. when --save-every and the end coincide), then fsync the parent."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def save_checkpoint(
     out_dir: str | os.PathLike[str],
     step: int,
@@ -254,6 +252,7 @@ def save_checkpoint(
     config: Mapping[str, Any],
     log: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
     global_rng: Sequence[Mapping[str, Any]] | None = None,
     keep_last: int | None = None,
 ) -> Path:
@@ -265,6 +264,7 @@ def save_checkpoint(
             or a peft ``PeftModel`` (saved with ``save_pretrained``).
         generators: every ``torch.Generator`` the run draws from, by name.
         config, log, extra: JSON-serialisable (``extra``: running statistics and the like).
+        extra_tensors: named tensors to keep exactly (saved to ``extra.safetensors``).
         global_rng: one :func:`capture_rng_state` per rank (rank order) when several
             processes save; default: this process's state only.
         keep_last: if set, delete the oldest complete checkpoints so that this many remain.
@@ -291,6 +291,11 @@ def save_checkpoint(
     try:
         _save_weights(trainable, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if extra_tensors:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in
+                       _named_trainable(extra_tensors).items()}, str(tmp / _EXTRA))  # fmt: skip
         rng = {
             "generators": {k: g.get_state() for k, g in generators.items()},
             "global": [dict(s) for s in global_rng] if global_rng else [capture_rng_state()],
@@ -301,14 +306,7 @@ def save_checkpoint(
             if f.is_file():
                 _fsync_file(f)
         _fsync_dir(tmp)
-        if final.exists():  # the same step again (e.g. --save-every and the end coincide)
-            old = out / f".checkpoint-{step}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(out)
+        _install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -435,5 +433,11 @@ def load_checkpoint(
     if rank is not None:
         states = rng["global"]
         restore_rng_state(states[rank] if rank < len(states) else states[0])
+    extra_tensors: dict[str, torch.Tensor] = {}
+    if (p / _EXTRA).is_file():
+        from safetensors.torch import load_file
+
+        extra_tensors = load_file(str(p / _EXTRA))
     return Checkpoint(p, int(state["step"]), state["config"], state["log"],
-                      state.get("extra", {}), int(state["format_version"]))  # fmt: skip
+                      state.get("extra", {}), int(state["format_version"]),
+                      extra_tensors)  # fmt: skip
