@@ -229,3 +229,36 @@ def test_peft_model_saved_with_save_pretrained(tmp_path):
     load_checkpoint(path, trainable=model)
     got = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_async_checkpointer_snapshots_at_save_time(tmp_path):
+    from jagg_autograd.checkpoint import AsyncCheckpointer
+
+    model, opt, gens = make()
+    train_step(model, opt, gens["train"])
+    want = {k: v.clone() for k, v in trainable(model).items()}
+    want_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    want_draw = torch.randn(3, generator=torch.Generator().set_state(gens["train"].get_state()))
+    with AsyncCheckpointer() as saver:
+        saver.save(tmp_path, 1, trainable=trainable(model), optimizer=opt, generators=gens,
+                   config=CONFIG, log={"n": 1}, extra_tensors={"e": torch.ones(2)})  # fmt: skip
+        # Training goes on while the write runs: the checkpoint keeps the state at save().
+        train_step(model, opt, gens["train"])
+        saver.save(tmp_path, 2, trainable=trainable(model), optimizer=opt, generators=gens,
+                   config=CONFIG, log={"n": 2}, keep_last=1)  # fmt: skip
+        assert saver.wait() == tmp_path / "checkpoint-2"
+        assert saver.wait() is None
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]  # keep_last=1
+    saver2 = AsyncCheckpointer()
+    model0, opt0, gens0 = make()
+    train_step(model0, opt0, gens0["train"])  # the same state as at the first save
+    saver2.save(tmp_path, 1, trainable=trainable(model0), optimizer=opt0, generators=gens0,
+                config=CONFIG, log={})  # fmt: skip
+    train_step(model0, opt0, gens0["train"])
+    assert saver2.close() == tmp_path / "checkpoint-1"
+    m, o, g = make(seed=4)
+    load_checkpoint(tmp_path / "checkpoint-1", trainable=m, optimizer=o, generators=g)
+    assert all(torch.equal(v, trainable(m)[k]) for k, v in want.items())
+    assert torch.equal(o.state_dict()["state"][0]["exp_avg"], want_opt)
+    assert torch.equal(torch.randn(3, generator=g["train"]), want_draw)
+    assert load_checkpoint(tmp_path / "checkpoint-2").log == {"n": 2}

@@ -30,10 +30,8 @@ value.  Every other key may change: ``steps``, the evaluation settings, ``out``,
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,9 +43,26 @@ import numpy as np
 import torch
 from torch import nn
 
+from jagg_autograd._checkpoint_io import (
+    ADAPTER_DIR,
+    EXTRA_FILE,
+    MISSING,
+    STATE_FILE,
+    Snapshot,
+    clone_to_cpu,
+    complete_checkpoints,
+    is_peft_model,
+    json_text,
+    load_weights,
+    named_tensors,
+    read_state,
+    write_snapshot,
+)
+
 __all__ = [
     "FORMAT_VERSION",
     "RESUME_KEYS",
+    "AsyncCheckpointer",
     "Checkpoint",
     "capture_rng_state",
     "check_resume_config",
@@ -74,12 +89,6 @@ RESUME_KEYS: tuple[str, ...] = (
 )
 # fmt: on
 
-_NAME = re.compile(r"^checkpoint-(\d+)$")
-_STATE = "state.json"
-_WEIGHTS = "weights.safetensors"
-_ADAPTER = "adapter"
-_EXTRA = "extra.safetensors"
-_MISSING = "<absent>"
 
 
 @dataclass
@@ -133,113 +142,55 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-# ------------------------------------------------------------------------------ weights
-
-
-def _is_peft_model(obj: object) -> bool:
-    return hasattr(obj, "peft_config") and callable(getattr(obj, "save_pretrained", None))
-
-
-def _named_trainable(trainable: Mapping[str, torch.Tensor] | nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(trainable, nn.Module):
-        named = {n: p for n, p in trainable.named_parameters() if p.requires_grad}
-    elif isinstance(trainable, Mapping):
-        named = dict(trainable)
-    else:
-        raise TypeError(
-            "trainable must be a dict of tensors, an nn.Module or a peft model, got "
-            f"{type(trainable).__name__}"
-        )
-    for k, v in named.items():
-        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-            raise TypeError(f"trainable must map names to tensors; {k!r} -> {type(v).__name__}")
-    return named
-
-
-def _save_weights(trainable: Any, folder: Path) -> None:
-    if _is_peft_model(trainable):
-        trainable.save_pretrained(str(folder / _ADAPTER), safe_serialization=True)
-        return
-    from safetensors.torch import save_file
-
-    named = _named_trainable(trainable)
-    # safetensors refuses shared storage and non-contiguous views: save plain copies.
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in named.items()},
-              str(folder / _WEIGHTS))  # fmt: skip
-
-
-def _load_weights(trainable: Any, folder: Path) -> None:
-    from safetensors.torch import load_file
-
-    if _is_peft_model(trainable):
-        from peft import set_peft_model_state_dict
-
-        files = sorted((folder / _ADAPTER).rglob("adapter_model.safetensors"))
-        if not files:
-            raise ValueError(f"{folder} has no peft adapter (saved without a peft model?)")
-        set_peft_model_state_dict(trainable, load_file(str(files[0])))
-        return
-    if not (folder / _WEIGHTS).is_file():
-        raise ValueError(f"{folder} has no {_WEIGHTS} (saved from a peft model?)")
-    saved = load_file(str(folder / _WEIGHTS))
-    named = _named_trainable(trainable)
-    missing, unexpected = sorted(set(named) - set(saved)), sorted(set(saved) - set(named))
-    if missing or unexpected:
-        raise ValueError(
-            f"{folder}: the trainable tensors differ from the checkpoint's: missing "
-            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    with torch.no_grad():
-        for k, t in named.items():
-            s = saved[k]
-            if s.shape != t.shape or s.dtype != t.dtype:
-                raise ValueError(
-                    f"{folder}: {k} is {tuple(s.shape)} {s.dtype} in the checkpoint, "
-                    f"{tuple(t.shape)} {t.dtype} here"
-                )
-            t.copy_(s)
-
-
-# ------------------------------------------------------------------------------ files
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _snapshot(
+    out_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    trainable: Mapping[str, torch.Tensor] | nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generators: Mapping[str, torch.Generator],
+    config: Mapping[str, Any],
+    log: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    global_rng: Sequence[Mapping[str, Any]] | None = None,
+    keep_last: int | None = None,
+) -> Snapshot:
+    """Check the arguments and copy the state (a peft adapter is written into the
+    temporary folder now); see :func:`save_checkpoint`."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                  or keep_last < 1):  # fmt: skip
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    for name, g in generators.items():
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"generators[{name!r}] must be a torch.Generator, got {type(g)}")
+    state_text = json_text(
+        {"format_version": FORMAT_VERSION, "step": step, "config": dict(config),
+         "log": dict(log), "extra": dict(extra or {})}, "config, log and extra"
+    )  # fmt: skip
+    peft = is_peft_model(trainable)
+    weights = None if peft else clone_to_cpu(named_tensors(trainable))  # type: ignore[arg-type]
+    rng = {
+        "generators": {k: g.get_state() for k, g in generators.items()},
+        "global": [dict(s) for s in global_rng] if global_rng else [capture_rng_state()],
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".checkpoint-{step}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _json_safe(obj: Any, what: str) -> str:
-    try:
-        return json.dumps(obj, indent=1, allow_nan=True)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what} must be JSON-serialisable: {exc}") from exc
-
-
-def _install(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``final`` (replacing a checkpoint of the same
-    step, e.g. when --save-every and the end coincide), then fsync the parent."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
+        if peft:
+            trainable.save_pretrained(str(tmp / ADAPTER_DIR), safe_serialization=True)  # type: ignore[union-attr]
+        snap = Snapshot(tmp, out / f"checkpoint-{step}", weights,
+                         clone_to_cpu(optimizer.state_dict()),
+                         clone_to_cpu(named_tensors(extra_tensors or {})), rng, state_text,
+                         keep_last)  # fmt: skip
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return snap
 
 
 def save_checkpoint(
@@ -259,86 +210,74 @@ def save_checkpoint(
     """Write ``<out_dir>/checkpoint-<step>/`` atomically; return its path.
 
     Args:
-        step: the number of finished steps (the next run step's index).
         trainable: the trained tensors by name, a module (its ``requires_grad`` parameters)
             or a peft ``PeftModel`` (saved with ``save_pretrained``).
+        optimizer: its ``state_dict()`` is saved.
         generators: every ``torch.Generator`` the run draws from, by name.
-        config, log, extra: JSON-serialisable (``extra``: running statistics and the like).
-        extra_tensors: named tensors to keep exactly (saved to ``extra.safetensors``).
+        config, log: JSON-serialisable dicts; extra (optional): JSON (running statistics).
+        extra_tensors: optional named tensors to keep exactly (``extra.safetensors``).
         global_rng: one :func:`capture_rng_state` per rank (rank order) when several
             processes save; default: this process's state only.
         keep_last: if set, delete the oldest complete checkpoints so that this many remain.
 
-    A checkpoint of the same step is replaced.  Call it from one process only (rank 0).
+    ``step`` is the number of finished steps.  A checkpoint of the same step is replaced.
+    Call it from one process only (rank 0).  :class:`AsyncCheckpointer` writes in the
+    background instead.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                  or keep_last < 1):  # fmt: skip
-        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    for name, g in generators.items():
-        if not isinstance(g, torch.Generator):
-            raise TypeError(f"generators[{name!r}] must be a torch.Generator, got {type(g)}")
-    state_text = _json_safe(
-        {"format_version": FORMAT_VERSION, "step": step, "config": dict(config),
-         "log": dict(log), "extra": dict(extra or {})}, "config, log and extra"
-    )  # fmt: skip
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    final = out / f"checkpoint-{step}"
-    tmp = out / f".checkpoint-{step}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _save_weights(trainable, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if extra_tensors:
-            from safetensors.torch import save_file
+    return write_snapshot(_snapshot(
+        out_dir, step, trainable=trainable, optimizer=optimizer, generators=generators,
+        config=config, log=log, extra=extra, extra_tensors=extra_tensors,
+        global_rng=global_rng, keep_last=keep_last,
+    ))  # fmt: skip
 
-            save_file({k: v.detach().cpu().contiguous().clone() for k, v in
-                       _named_trainable(extra_tensors).items()}, str(tmp / _EXTRA))  # fmt: skip
-        rng = {
-            "generators": {k: g.get_state() for k, g in generators.items()},
-            "global": [dict(s) for s in global_rng] if global_rng else [capture_rng_state()],
-        }
-        torch.save(rng, tmp / "rng.pt")
-        (tmp / _STATE).write_text(state_text, encoding="utf-8")  # last: marks completion
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                _fsync_file(f)
-        _fsync_dir(tmp)
-        _install(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if keep_last is not None:
-        for _, old_ckpt in _complete_checkpoints(out)[:-keep_last]:
-            shutil.rmtree(old_ckpt, ignore_errors=True)
-    return final
+
+class AsyncCheckpointer:
+    """:func:`save_checkpoint` with the writing (files, fsync, rename) in a background
+    thread: :meth:`save` only copies the state (weights, optimizer moments, RNG states) to
+    CPU memory and returns, so the next step runs while the disk works.  One write is in
+    flight at a time (a second :meth:`save` first waits for the previous one).  A write's
+    error is raised by the next :meth:`save`, :meth:`wait` or :meth:`close`.  Call
+    :meth:`close` (or use ``with``) before the process exits -- an unfinished write leaves
+    only a temporary folder, which is never picked.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jagg-checkpoint")
+        self._pending: Any = None
+
+    def save(self, out_dir: str | os.PathLike[str], step: int, **state: Any) -> None:
+        """Snapshot now, write in the background (arguments of :func:`save_checkpoint`)."""
+        self.wait()
+        snap = _snapshot(out_dir, step, **state)
+        self._pending = self._pool.submit(write_snapshot, snap)
+
+    def wait(self) -> Path | None:
+        """Wait for the write in flight; return its path (None if there was none)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> Path | None:
+        """Wait for the write in flight and stop the thread; idempotent."""
+        try:
+            return self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # ------------------------------------------------------------------------------ reading
 
 
-def _read_state(path: Path) -> dict[str, Any] | None:
-    try:
-        state = json.loads((path / _STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and "format_version" in state else None
-
-
-def _complete_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in out_dir.iterdir() if out_dir.is_dir() else ():
-        m = _NAME.match(p.name)
-        if m and p.is_dir() and _read_state(p) is not None:
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
 def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
     """The complete ``checkpoint-<N>`` with the highest N in ``out_dir``, or None."""
-    found = _complete_checkpoints(Path(out_dir))
+    found = complete_checkpoints(Path(out_dir))
     return found[-1][1] if found else None
 
 
@@ -358,13 +297,13 @@ def resolve_checkpoint(
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"{p} is not a checkpoint: no such folder")
-    if _read_state(p) is not None:
+    if read_state(p) is not None:
         return p
     found = latest_checkpoint(p)
     if found is not None:
         return found
     raise ValueError(
-        f"{p} is not a checkpoint: no readable {_STATE} (an incomplete or foreign folder), "
+        f"{p} is not a checkpoint: no readable {STATE_FILE} (an incomplete or foreign folder), "
         "and no complete checkpoint-<step> inside it"
     )
 
@@ -377,7 +316,7 @@ def check_resume_config(
     for k in keys:
         if k not in saved and k not in current:
             continue
-        old, new = saved.get(k, _MISSING), current.get(k, _MISSING)
+        old, new = saved.get(k, MISSING), current.get(k, MISSING)
         if old != new:
             diffs.append(f"{k}: {old!r} -> {new!r}")
     if diffs:
@@ -410,7 +349,7 @@ def load_checkpoint(
             tensors that differ from the saved ones.
     """
     p = resolve_checkpoint(path, out_dir)
-    state = _read_state(p)
+    state = read_state(p)
     assert state is not None
     if int(state["format_version"]) > FORMAT_VERSION:
         raise ValueError(
@@ -425,7 +364,7 @@ def load_checkpoint(
         if missing:
             raise ValueError(f"{p} has no state for the generators {missing}")
     if trainable is not None:
-        _load_weights(trainable, p)
+        load_weights(trainable, p)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=True))
     for name, g in (generators or {}).items():
@@ -434,10 +373,10 @@ def load_checkpoint(
         states = rng["global"]
         restore_rng_state(states[rank] if rank < len(states) else states[0])
     extra_tensors: dict[str, torch.Tensor] = {}
-    if (p / _EXTRA).is_file():
+    if (p / EXTRA_FILE).is_file():
         from safetensors.torch import load_file
 
-        extra_tensors = load_file(str(p / _EXTRA))
+        extra_tensors = load_file(str(p / EXTRA_FILE))
     return Checkpoint(p, int(state["step"]), state["config"], state["log"],
                       state.get("extra", {}), int(state["format_version"]),
                       extra_tensors)  # fmt: skip
