@@ -19,6 +19,9 @@ _DEMO = [
     "pyyaml>=5.1",  # jagg-demo --config FILE.yaml
 ]
 _BENCH = ["matplotlib>=3.7", "tqdm>=4.60"]
+# --report-to (jagg_autograd.tracking): optional; tensorboard is small enough for the tests.
+_TENSORBOARD = ["tensorboard>=2.10"]
+_WANDB = ["wandb>=0.16"]
 
 setup(
     name="jagg-autograd",
@@ -36,9 +39,11 @@ setup(
     install_requires=["torch>=2.4,<2.14", "numpy>=1.24", "scipy>=1.10", *_DEMO],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": _TEST + _DIFFUSERS,
+        "test": _TEST + _DIFFUSERS + _TENSORBOARD,
         "diffusers": _DIFFUSERS,
         "bench": _BENCH + _DIFFUSERS,
+        "tensorboard": _TENSORBOARD,
+        "wandb": _WANDB,
     },
     entry_points={"console_scripts": ["jagg-demo=jagg_autograd.demo:main"]},
 )
