@@ -130,6 +130,7 @@ class DeferredSpec:
     versions: list[tuple[str, torch.Tensor, int]]
     stats: Any
     autocast: tuple[bool, torch.dtype] | None
+    fold: str = "linear"  # issue 18: the adaptive plan's fold (planner.FOLDS)
 
 
 def _chunk_bounds(ks: torch.Tensor, per: int, per_step: bool) -> list[tuple[int, int]]:
@@ -227,8 +228,8 @@ def _chunked_grads(
     T, B = values.shape[:2]
     t0 = time.perf_counter()
     if spec.plan is None:
-        choice = adaptive_choice(values, grad, spec.t64, spec.budget_total)
-        plan = make_plan(choice.mask, spec.t64)
+        choice = adaptive_choice(values, grad, spec.t64, spec.budget_total, fold=spec.fold)
+        plan = make_plan(choice.mask, spec.t64, fold=spec.fold)
     else:
         plan = spec.plan
     plan_s = time.perf_counter() - t0

@@ -36,7 +36,7 @@ from jagg_autograd.deferred import (
 )
 from jagg_autograd.distributed import BUFFER_SYNC_WITH_ROUTER, ddp_syncs_buffers
 from jagg_autograd.function import JaggFunction
-from jagg_autograd.planner import exact_mask, make_plan, uniform_mask
+from jagg_autograd.planner import check_fold, exact_mask, make_plan, uniform_mask
 from jagg_autograd.router import CosineRouter, cosine_route
 
 MODES = ("jagg", "exact")
@@ -565,8 +565,10 @@ def _jagg_core(
     budget: object = None,
     params: object = None,
     values_tol: object = None,
+    fold: object = "linear",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     # ---- validation: everything before the first model call
+    fold = check_fold(fold)  # issue 18: the plan's interpolation weights
     mode = _check_choice("mode", mode, MODES)
     backend = check_backend_runnable(backend, latents.device, latents.dtype)
     batching = _check_choice("batching", batching, BATCHINGS)
@@ -664,7 +666,7 @@ def _jagg_core(
             plan = make_plan(exact_mask(T, B, device), t64)
             exact = torch.ones((n_w, B), dtype=torch.bool, device=device)
         elif placement == "uniform":
-            plan = make_plan(uniform_mask(T, B, anchors, windows, exact, device), t64)
+            plan = make_plan(uniform_mask(T, B, anchors, windows, exact, device), t64, fold=fold)
         else:
             plan = None
         stats = None
@@ -694,6 +696,7 @@ def _jagg_core(
             ),
             stats=stats,
             autocast=autocast_state(device),
+            fold=fold,
         )
         out = DeferredJaggFunction.apply(spec, vals, *targets)
         if ddp is not None and out.requires_grad:
@@ -725,7 +728,9 @@ def _jagg_core(
             vals[steps] = v.view(len(steps), B, *caller.S)
     scores = scores_of(vals) if (router is not None or return_stats) else None
     exact = routed_of(scores)
-    plan = make_plan(uniform_mask(T, B, anchors, windows, exact, device), t64, anchors)
+    plan = make_plan(
+        uniform_mask(T, B, anchors, windows, exact, device), t64, anchors, fold=fold
+    )
     rows = [anchor_v]
     if plan.pair_k.numel() > 0 or _collective(model):
         extra = _run_pairs_grad(
@@ -842,6 +847,7 @@ def jagg_window(
     budget: float | None = None,
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
+    fold: str = "linear",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of one window of W >= 2 sampling steps, with the JAGG gradient.
 
@@ -899,10 +905,11 @@ def jagg_window(
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
-            programming, with round(budget * B) anchors shared across the batch greedily by
-            marginal reduction.  Every sample gets its first and last step with a non-zero
-            upstream gradient (2 anchors; 1 if only one step is non-zero, 0 if none);
-            steps outside that span need no anchor.
+            programming, with round(budget * B) anchors shared group-fairly: every sample
+            the same count, the remainder one more each by scale-free proxy gain, nothing
+            depending on |g|'s scale (``planner.adaptive_choice``).  Every sample gets
+            its first and last step with a non-zero upstream gradient (2 anchors; 1 if
+            only one step is non-zero, 0 if none); steps outside that span need none.
         budget: mean anchors per sample for placement="adaptive" (default: the uniform
             layout's anchor count, 2 for a window).
         params: the trainable tensors, needed by ``deferred=True`` when ``model`` is not an
@@ -911,6 +918,11 @@ def jagg_window(
             ``rtol * (1 + max|values|)``, rtol 1e-5 in float32, 1e-9 in float64, 4e-3 in
             float16, 3e-2 in bfloat16: anchors recomputed in another batch than the
             rollout's differ by round-off only).
+        fold: how each step's g folds onto its anchors (``planner.FOLDS``): "linear"
+            (the t-linear weights below; unbiased for GRPO only with zero-mean advantages
+            and per-sample decisions that do not depend on them) or "causal" (onto the
+            anchor at or before the step only: unbiased for any advantages, less accurate
+            per batch); see :func:`jagg_autograd.planner.interpolation_weights`.
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
@@ -945,6 +957,7 @@ def jagg_window(
         budget=budget,
         params=params,
         values_tol=values_tol,
+        fold=fold,
     )
     if not return_stats:
         return out
@@ -975,6 +988,7 @@ def jagg_trajectory(
     budget: float | None = None,
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
+    fold: str = "linear",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 
@@ -1037,6 +1051,7 @@ def jagg_trajectory(
         budget=budget,
         params=params,
         values_tol=values_tol,
+        fold=fold,
     )
 
 
