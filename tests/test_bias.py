@@ -315,3 +315,19 @@ def test_group_fair_adaptive_has_no_systematic_error_and_greedy_has(budget):
     greedy = bias_statistics(x, y)
     g = greedy.systematic_share
     assert g.lo > 0 and g.value > 0.05 and g.value > 8 * greedy.systematic_share_floor_sd, greedy
+
+
+def test_bias_probe_benchmark(run_benchmark):
+    # Three batches at the pretrained digits policy: the library check inside (the VJP of
+    # the plan equals jagg_trajectory's gradient) passes, the greedy split's counts track
+    # |A| and the group-fair ones do not, and with unit advantages the linear fold's mean
+    # error dominates while the causal fold's does not.
+    out = run_benchmark("benchmarks.bias_probe", "--train-steps", "0", "--batches", "3")
+    res = json.loads((out / "bias_probe.json").read_text())
+    st = res["stages"][0]
+    assert len(st["rows"]) == 27 and (out / "BIAS_PROBE.md").exists()
+    sp = st["spearman_counts_abs_adv"]
+    assert sp["adaptive-old"] > 0.5 and sp["adaptive"] == 0.0
+    row = {(r["advantages"], r["placement"], r["fold"]): r for r in st["rows"]}
+    assert row["unit", "uniform", "linear"]["systematic_share"] > 0.5
+    assert abs(row["unit", "uniform", "causal"]["systematic_share"]) < 0.2
