@@ -336,18 +336,30 @@ def test_planner_dp_equals_brute_force(seed):
         direct = proxy_cost(v, g, t, ch.mask)
         torch.testing.assert_close(direct, ch.cost, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(ch.cost, ch.curve.gather(1, ch.counts[:, None])[:, 0])
-        # The allocation is the greedy one, replayed by hand from the curves.
+        # The allocation is group-fair (issue 18), replayed by hand from the curves: the
+        # same count L = total // B for every sample, the remainder one more each to the
+        # samples whose curve, divided by its own 2-anchor value, drops most.
+        level, rem = divmod(total, B)
+        gains = [
+            float((ch.curve[b, level] - ch.curve[b, level + 1]) / ch.curve[b, 2])
+            for b in range(B)
+        ]
+        top = sorted(range(B), key=lambda i: (-gains[i], i))[:rem]
+        assert ch.counts.tolist() == [level + (b in top) for b in range(B)]
+        assert ch.level == level
+        # The former greedy split (private flag), replayed by hand likewise.
+        old = adaptive_choice(v, g, t, total=total, _greedy=True)
         counts = [2] * B
         for _ in range(total - 2 * B):
             gains = [
-                float(ch.curve[b, counts[b]] - ch.curve[b, counts[b] + 1])
+                float(old.curve[b, counts[b]] - old.curve[b, counts[b] + 1])
                 if counts[b] < T
                 else -float("inf")
                 for b in range(B)
             ]
             bb = max(range(B), key=lambda i: (gains[i], -i))
             counts[bb] += 1
-        assert ch.counts.tolist() == counts
+        assert old.counts.tolist() == counts
 
 
 def test_segment_costs_match_direct_residuals_at_a_large_offset():

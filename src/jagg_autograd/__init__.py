@@ -4,6 +4,7 @@
 needs one batched backward through the window anchors instead of one per step.
 """
 
+from jagg_autograd.bias import BiasReport, bias_statistics, gradient_bias
 from jagg_autograd.diagnostics import FidelityReport, gradient_fidelity
 from jagg_autograd.mix import jagg_mix, jagg_mix_ref
 from jagg_autograd.router import CosineRouter, cosine_route, cosine_route_ref
@@ -18,12 +19,15 @@ from jagg_autograd.window import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BiasReport",
     "CosineRouter",
     "FidelityReport",
     "JaggStats",
+    "bias_statistics",
     "cosine_route",
     "cosine_route_ref",
     "expected_anchor_count",
+    "gradient_bias",
     "gradient_fidelity",
     "jagg_mix",
     "jagg_mix_ref",

@@ -51,6 +51,7 @@ from jagg_autograd.checks import (
 )
 from jagg_autograd.distributed import ddp_for_deferred
 from jagg_autograd.layout import check_window
+from jagg_autograd.planner import check_fold
 from jagg_autograd.router import CosineRouter
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class JaggOptions:
     budget: float | None = None
     params: Sequence[torch.Tensor] | None = None
     values_tol: float | None = None
+    fold: str = "linear"
 
 
 OPTION_NAMES = tuple(f.name for f in fields(JaggOptions))
@@ -214,6 +216,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     budget = check_budget(o.budget, placement, latents.shape[0], float(n_anchors))
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
+    fold = check_fold(o.fold)
     return replace(
         o,
         mode=mode,
@@ -226,6 +229,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
         budget=budget,
         values=values,
         values_tol=values_tol,
+        fold=fold,
     )
 
 

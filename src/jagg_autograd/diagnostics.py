@@ -229,6 +229,7 @@ def gradient_fidelity(
     deferred: bool = False,
     placement: str = "uniform",
     budget: float | None = None,
+    fold: str = "linear",
 ) -> FidelityReport:
     """Compare JAGG's parameter gradient with the exact one on one rollout of your model.
 
@@ -268,9 +269,13 @@ def gradient_fidelity(
             anchors a boundary step counts in both its windows: a diagnostic
             decomposition, not a partition of the total).  Costs one extra backward per
             window each way, the exact one through the whole rollout's graph.
+        values, deferred, placement, budget, fold: the JAGG run's, as in
+            :func:`jagg_window` (the routed run keeps uniform anchors).
 
     Returns:
-        a :class:`FidelityReport`.
+        a :class:`FidelityReport`.  One batch's cosine mostly measures how well the
+        estimator reproduces that batch's noise; for the bias that learning follows use
+        :func:`jagg_autograd.bias.gradient_bias` over many batches.
 
     Cost: the exact run keeps the activations of all T steps for its backward, as exact
     training would; use a short rollout and a small batch on a large model.  The model is

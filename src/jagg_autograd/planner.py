@@ -2,23 +2,54 @@
 
 Every JAGG call executes a :class:`Plan`.  A plan is an anchor mask A (T, B) — the pairs
 whose velocity is recomputed with grad — and the interpolation weights of every other
-pair: for sample b, a step k strictly between its anchors p < k < q gets
+pair, set by the *fold* (:data:`FOLDS`, :func:`interpolation_weights`).  For sample b and
+a step k strictly between its anchors p < k < q:
 
-    alpha = (t_k - t_p) / (t_q - t_p),   w_cur = 1 - alpha (onto p),   w_nxt = alpha (onto q)
+* ``fold="linear"`` (JAGG's):  alpha = (t_k - t_p) / (t_q - t_p),  w_cur = 1 - alpha
+  (onto p), w_nxt = alpha (onto q);
+* ``fold="causal"``:  w_cur = 1, w_nxt = 0 — each step folds onto the anchor at or
+  before it only.
 
-(an anchor: w_cur = 1, w_nxt = 0; a step before the sample's first or after its last anchor:
-0, 0 — such a step must carry zero upstream gradient).  The planners differ only in the
-mask:
+(an anchor: w_cur = 1, w_nxt = 0; a step before the sample's first anchor: 0, 0, and after
+its last anchor: linear 0, 0, causal 1, 0 — such steps must carry zero upstream gradient
+for the linear fold.)  The planners differ only in the mask:
 
 * :func:`uniform_mask` — today's layout: the same anchor steps for every sample; a
   router's routed-out (window, sample) pairs make every step of that window an anchor
   (the exact gradient there);
 * :func:`exact_mask` — every pair (the exact gradient);
-* :func:`adaptive_mask` — per-sample anchor sets chosen after the loss, knowing g: each
+* :func:`adaptive_choice` — per-sample anchor sets chosen after the loss, knowing g: each
   sample's set minimises the proxy  sum_k ||g_k|| * ||v_k - v_hat_k||  (v_hat_k the
-  t-linear interpolation between the step's neighbouring anchors) for its anchor count,
-  by dynamic programming over Gram matrices, and the batch's budget of anchors is shared
-  greedily by marginal proxy reduction.
+  fold's reconstruction of v_k from the step's anchors) for its anchor count, by dynamic
+  programming over Gram matrices; every sample gets the same count (see below).
+
+Bias and the group-fairness invariant
+-------------------------------------
+In GRPO g_{k,b} = A_b h_{k,b}: the advantage A_b scales every step of sample b.  With
+unit advantages the exact gradient sum_k J_k^T h_k is a score function with mean 0, since
+E[h_k | x_0..x_k] = 0 and J_k depends on x_k only.  The linear fold moves part of g_k onto
+the LATER anchor q, whose x_q depends on step k's own SDE noise, so E[J_q^T h_k] != 0: the
+linear fold has a mean error per sample, beta_b (``benchmarks/bias_probe.py``, digits
+DiT, unit advantages, 4 uniform anchors of 10 steps, 24 batches: 1.58x the RMS of a
+batch's exact gradient at the pretrained policy and 1.27x after 15 exact GRPO steps,
+systematic share 0.96 / 0.94; causal fold 0.000 / 0.016, share -0.002 / +0.002, at the
+floor).  It cancels in  sum_b A_b beta_b  only when the advantages have mean zero AND
+nothing the estimator decides per sample depends on A.  Hence the invariant:
+
+    **an estimator's anchor counts (and anything else it decides per sample) must not
+    depend on the advantage — in practice every sample of a group gets the same count.**
+
+The adaptive planner honours it: it depends on g only through which steps are zero and
+through the shape of each sample's proxy curve, never its scale (scaling one sample's g
+by any c > 0 changes no count and no position).  Its positions still depend on the
+trajectory (v and the profile of ||g_k||, hence on the SDE noise), which leaves a small
+selection bias: measured (same probe) systematic share +0.009 / +0.014 with GRPO
+advantages (floor SD 0.005; the greedy split: +0.098 / +0.092), and with unit
+advantages even the causal fold's adaptive positions give +0.018 / +0.030 where its
+uniform anchors give -0.002 / +0.002.  Its former greedy split of the budget by
+absolute proxy reduction gave samples with large |A| more anchors (Spearman 0.94 with
+|A| on digits) and a bias of 1-2x the GRPO signal.  The causal fold is unbiased for any
+advantages (no zero-mean baseline needed) but less accurate per batch.
 
 :func:`choose_plan` is the one place that decides which of them a call runs, from the
 parsed call (``jagg_autograd.call``).
@@ -65,12 +96,42 @@ class Plan:
         return len(self.whole_steps) * self.anchor_mask.shape[1] + self.pair_k.numel()
 
 
+FOLDS = ("linear", "causal")
+"""How a step's upstream gradient folds onto its anchors (see the module docstring)."""
+
+
+def check_fold(fold: object) -> str:
+    """``fold`` itself if it is one of :data:`FOLDS`, else a ValueError naming the argument."""
+    if not isinstance(fold, str) or fold not in FOLDS:
+        raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
+    return fold
+
+
 def interpolation_weights(
-    anchor_mask: torch.Tensor, t64: torch.Tensor
+    anchor_mask: torch.Tensor, t64: torch.Tensor, fold: str = "linear"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_cur, w_nxt) float64 (T, B) for per-sample anchors ``anchor_mask`` at ``t64`` (T, B)."""
+    """(w_cur, w_nxt) float64 (T, B) for per-sample anchors ``anchor_mask`` at ``t64`` (T, B).
+
+    fold="linear" (JAGG's t-linear fold): a step k between anchors p < k < q gets
+    w_cur = 1 - alpha, w_nxt = alpha, alpha = (t_k - t_p) / (t_q - t_p); steps before the
+    first or after the last anchor get 0, 0.  It is exact when J is affine in t on the
+    anchors' points, but it is only *unbiased* for GRPO when the advantages have mean zero
+    (group-normalised) AND nothing decided per sample (anchor counts, routing, subsets)
+    depends on the advantage: the later anchor's x_q depends on step k's SDE noise, so
+    E[J_q^T h_k] != 0 for a score-function upstream h_k, and only  sum_b A_b (...)  with
+    zero-mean A and A-independent per-sample layouts cancels it (module docstring).
+
+    fold="causal": every step folds onto the anchor at or before it only: w_cur = 1,
+    w_nxt = 0 (steps before the first anchor 0, 0).  Unbiased for any advantages (J_p with
+    p <= k does not depend on step k's noise); exact when J is constant in t on the
+    sample's steps; less accurate per batch than the linear fold.
+    """
+    check_fold(fold)
     T, B = anchor_mask.shape
     prev, nxt = anchor_neighbours(anchor_mask)  # last anchor <= k, first anchor >= k
+    if fold == "causal":
+        w_cur = torch.where(prev >= 0, 1.0, 0.0).to(torch.float64)
+        return w_cur, torch.zeros_like(w_cur)
     inside = (prev >= 0) & (nxt < T) & ~anchor_mask
     p = prev.clamp(0, T - 1)
     q = nxt.clamp(0, T - 1)
@@ -82,13 +143,18 @@ def interpolation_weights(
 
 
 def make_plan(
-    anchor_mask: torch.Tensor, t64: torch.Tensor, whole_steps: list[int] | None = None
+    anchor_mask: torch.Tensor,
+    t64: torch.Tensor,
+    whole_steps: list[int] | None = None,
+    *,
+    fold: str = "linear",
 ) -> Plan:
-    """The plan of ``anchor_mask``; ``whole_steps`` (all True in the mask) get the first rows."""
+    """The plan of ``anchor_mask``; ``whole_steps`` (all True in the mask) get the first rows;
+    ``fold``: the interpolation weights' fold (:func:`interpolation_weights`)."""
     T, B = anchor_mask.shape
     dev = anchor_mask.device
     whole = list(whole_steps or [])
-    w_cur, w_nxt = interpolation_weights(anchor_mask, t64)
+    w_cur, w_nxt = interpolation_weights(anchor_mask, t64, fold)
     slots = torch.full((T, B), -1, dtype=torch.long, device=dev)
     if whole:
         idx = torch.tensor(whole, dtype=torch.long, device=dev)
@@ -130,8 +196,14 @@ def exact_mask(T: int, B: int, device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------- adaptive
 
 
-def segment_costs(values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor) -> torch.Tensor:
+def segment_costs(
+    values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor, fold: str = "linear"
+) -> torch.Tensor:
     """C[b, p, q] = sum_{p<k<q} ||g_k|| ||v_k - (1-a_k) v_p - a_k v_q||, (B, T, T) float64.
+
+    fold="causal": a_k = 0 (the reconstruction of v_k is v_p, the fold's zero-order hold),
+    and only each sample's mean over steps is subtracted (the causal residual is invariant
+    to constants, not to a slope in t).
 
     values, upstream: (T, B, N); t64: (T, B).  The residual norms come from each sample's
     Gram matrix of its velocities (one batched matmul) rather than from the (T^3, N)
@@ -149,8 +221,9 @@ def segment_costs(values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tenso
     tt = t64.T.to(acc)  # (B, T)
     tc = tt - tt.mean(1, keepdim=True)
     v = v - v.mean(1, keepdim=True)
-    slope = (tc[:, :, None] * v).sum(1, keepdim=True) / tc.square().sum(1)[:, None, None]
-    v = v - tc[:, :, None] * slope
+    if fold == "linear":
+        slope = (tc[:, :, None] * v).sum(1, keepdim=True) / tc.square().sum(1)[:, None, None]
+        v = v - tc[:, :, None] * slope
     gram = torch.bmm(v, v.transpose(1, 2)).to(torch.float64)  # (B, T, T)
     gnorm = upstream.to(acc).norm(dim=-1).to(torch.float64).T  # (B, T)
     t = t64.T  # (B, T)
@@ -160,6 +233,8 @@ def segment_costs(values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tenso
     between = (idx[:, None, None] < idx[None, :, None]) & (idx[None, :, None] < idx[None, None, :])
     den = torch.where(between, tq - tp, 1.0)
     a = torch.where(between, (tk - tp) / den, 0.0)
+    if fold == "causal":
+        a = torch.zeros_like(a)
     b1 = 1.0 - a
     diag = gram.diagonal(dim1=1, dim2=2)  # (B, T)
     m_kk = diag[:, None, :, None]
@@ -178,13 +253,16 @@ class AdaptiveChoice:
     """The adaptive planner's decision.
 
     mask: (T, B) bool anchors; counts: (B,) anchors per sample; cost: (B,) proxy of the
-    chosen sets; curve: (B, T + 1) best proxy for each anchor count (inf: impossible).
+    chosen sets; curve: (B, T + 1) best proxy for each anchor count (inf: impossible);
+    level: the count every sample with >= ``level`` active steps gets before the remainder
+    (0 under the legacy greedy split).
     """
 
     mask: torch.Tensor
     counts: torch.Tensor
     cost: torch.Tensor
     curve: torch.Tensor
+    level: int = 0
 
 
 def _active_range(upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,25 +276,106 @@ def _active_range(upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return first, last, n
 
 
+def _fair_counts(curve: torch.Tensor, n_act: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
+    """Group-fair anchor counts (B,) on the host and the common level L.
+
+    Samples with no active step get 0, one active step 1.  The others share the rest
+    equally: the largest level L with sum_b min(L, n_b) <= the rest (n_b: the sample's
+    active steps, so a sample capped at n_b hands its share to the others -- this depends
+    on which steps of g are zero, not on g's scale).  The remainder r (fewer than the
+    samples with n_b > L) gives one more anchor each to the r samples whose *normalised*
+    gain (curve_b[L] - curve_b[L+1]) / curve_b[2] is largest (ties: lower index): dividing
+    by the sample's own 2-anchor proxy removes the scale of its g, hence |A|.
+    """
+    B = n_act.shape[0]
+    T = curve.shape[1] - 1
+    counts = n_act.clamp(max=2).clone()
+    elig = n_act >= 2
+    if not bool(elig.any()):
+        return counts, 0
+    room = int(total) - int(counts[~elig].sum())
+    cap = n_act[elig]
+    level = 2
+    for lv in range(3, T + 1):
+        if int(cap.clamp(max=lv).sum()) > room:
+            break
+        level = lv
+    counts[elig] = cap.clamp(max=level)
+    rem = room - int(counts[elig].sum())
+    cand = elig & (n_act > level)
+    if rem > 0 and bool(cand.any()) and level < T:
+        cols = torch.arange(B)
+        c2 = curve[:, 2]
+        drop = curve[cols, level] - curve[cols, level + 1]
+        ok = cand & torch.isfinite(drop) & (c2 > 0)
+        gain = torch.where(ok, drop / torch.where(ok, c2, 1.0), 0.0)
+        gain = torch.where(cand, gain, -torch.inf)
+        order = torch.sort(-gain, stable=True).indices
+        take = order[: min(rem, int(cand.sum()))]
+        counts[take] += 1
+    return counts, level
+
+
+def _greedy_counts(curve: torch.Tensor, n_act: torch.Tensor, total: int) -> torch.Tensor:
+    """The former split (NOT group-fair; kept for the tests and the bias benchmark that
+    show why it was replaced): after 2 each, anchors go one at a time to the sample whose
+    proxy drops most, so samples with a large |A| (a large g) get more anchors."""
+    B, T = curve.shape[0], curve.shape[1] - 1
+    counts = n_act.clamp(max=2).clone()
+    cols = torch.arange(B)
+    remaining = int(total) - int(counts.sum())
+
+    def gains(c: torch.Tensor) -> torch.Tensor:
+        nxt = (c + 1).clamp(max=T)
+        g_ = curve[cols, c] - curve[cols, nxt]
+        return torch.where((c + 1 <= n_act) & (c >= 2), g_, -torch.inf)
+
+    gain = gains(counts)
+    for _ in range(max(remaining, 0)):
+        b = int(torch.argmax(gain))
+        if not bool(torch.isfinite(gain[b])):
+            break
+        counts[b] += 1
+        gain[b] = gains(counts)[b]
+    return counts
+
+
 def adaptive_choice(
-    values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor, total: int
+    values: torch.Tensor,
+    upstream: torch.Tensor,
+    t64: torch.Tensor,
+    total: int,
+    *,
+    fold: str = "linear",
+    _greedy: bool = False,
 ) -> AdaptiveChoice:
     """Per-sample anchor sets minimising the proxy with ``total`` anchors over the batch.
 
     values, upstream: (T, B, *S); t64: (T, B).  A sample's anchors span its first to
     last step with a non-zero upstream gradient (both are anchors; a sample whose g is
-    zero everywhere gets none, one non-zero step gets one).  Every sample first gets its
-    minimum (2 when it spans >= 2 steps); the remaining anchors go one at a time to the
-    sample whose proxy drops most from one more anchor (its optimal set for that count,
-    by dynamic programming).  ``total`` is honoured exactly unless the minimums exceed it
-    or every sample already has all its steps as anchors.
+    zero everywhere gets none, one non-zero step gets one).
+
+    Counts are group-fair (module docstring): every sample gets the same count L (the
+    budget per sample, rounded down; a sample with fewer than L active steps gets them all
+    and its share goes to the others), and the remainder -- fewer anchors than samples --
+    one more each to the samples whose proxy curve, divided by its own 2-anchor value,
+    drops most (:func:`_fair_counts`).  Nothing depends on the scale of a sample's g: the
+    remainder uses scale-free curves, and the positions, each sample's optimal set for its
+    count by dynamic programming, scale with g as a whole.  ``fold``: the proxy's
+    reconstruction (:func:`segment_costs`).  ``total`` is honoured exactly unless the
+    minimums exceed it or every sample already has all its steps as anchors.
+
+    ``_greedy=True`` restores the former budget split by absolute proxy reduction, which
+    correlates counts with |A| and biases GRPO's gradient; private, for the tests and the
+    bias benchmark only.
     """
+    check_fold(fold)
     T, B = values.shape[:2]
     dev = values.device
     v = values.reshape(T, B, -1)
     g = upstream.reshape(T, B, -1)
     first, last, n_act = _active_range(g)
-    C = segment_costs(v, g, t64)  # (B, T, T)
+    C = segment_costs(v, g, t64, fold)  # (B, T, T)
     inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
     steps = torch.arange(T, device=dev)
     # D[b, q]: best proxy of m anchors from first[b] with the m-th at q.
@@ -231,26 +390,13 @@ def adaptive_choice(
         cand = D[:, :, None] + torch.where(steps[:, None] < steps[None, :], C, inf)
         D, back[m] = cand.min(1)
         curve[:, m] = torch.where(n_act >= 2, D.gather(1, lastc[:, None])[:, 0], inf)
-    # Minimum per sample, then the greedy allocation of the rest.  The (B, T + 1) curve is
-    # tiny: the greedy runs on the host, one vectorised argmax over samples per anchor.
+    # The split of the budget runs on the host: the (B, T + 1) curve is tiny.
     n_host = n_act.cpu()
-    counts_h = n_host.clamp(max=2)
     curve_h = curve.cpu()
-    cols_h = torch.arange(B)
-    remaining = int(total) - int(counts_h.sum())
-
-    def gains(c: torch.Tensor) -> torch.Tensor:
-        nxt = (c + 1).clamp(max=T)
-        g_ = curve_h[cols_h, c] - curve_h[cols_h, nxt]
-        return torch.where((c + 1 <= n_host) & (c >= 2), g_, -torch.inf)
-
-    gain = gains(counts_h)
-    for _ in range(max(remaining, 0)):
-        b = int(torch.argmax(gain))
-        if not bool(torch.isfinite(gain[b])):
-            break
-        counts_h[b] += 1
-        gain[b] = gains(counts_h)[b]
+    if _greedy:
+        counts_h, level = _greedy_counts(curve_h, n_host, total), 0
+    else:
+        counts_h, level = _fair_counts(curve_h, n_host, total)
     counts = counts_h.to(dev)
     mask = torch.zeros((T, B), dtype=torch.bool, device=dev)
     # Backtrack every sample's optimal set for its count (vectorised over samples).
@@ -263,19 +409,23 @@ def adaptive_choice(
     first_c = first.clamp(0, T - 1)
     mask[first_c, cols] = mask[first_c, cols] | (counts >= 1)
     cost = curve.gather(1, counts[:, None])[:, 0]
-    return AdaptiveChoice(mask, counts, cost, curve)
+    return AdaptiveChoice(mask, counts, cost, curve, level)
 
 
 def proxy_cost(
-    values: torch.Tensor, upstream: torch.Tensor, t64: torch.Tensor, mask: torch.Tensor
+    values: torch.Tensor,
+    upstream: torch.Tensor,
+    t64: torch.Tensor,
+    mask: torch.Tensor,
+    fold: str = "linear",
 ) -> torch.Tensor:
     """(B,) proxy sum_k ||g_k|| ||v_k - v_hat_k|| of the anchor sets ``mask``, directly.
 
     The plain-residual evaluation the planner's Gram-matrix DP must agree with (tests)
-    and what benchmarks report for any layout.
+    and what benchmarks report for any layout; v_hat_k is ``fold``'s reconstruction.
     """
     T, B = mask.shape
-    w_cur, w_nxt = interpolation_weights(mask, t64)
+    w_cur, w_nxt = interpolation_weights(mask, t64, fold)
     v = values.reshape(T, B, -1).to(torch.float64)
     g = upstream.reshape(T, B, -1).to(torch.float64)
     prev, nxt = (x.clamp(0, T - 1) for x in anchor_neighbours(mask))
@@ -338,7 +488,9 @@ def choose_plan(
     elif opts.placement == "adaptive" and call.executor == "deferred":
         if upstream is None:
             return PlanChoice(None, scores, none)
-        mask = adaptive_choice(values, upstream, call.t64, call.budget_total).mask
+        mask = adaptive_choice(
+            values, upstream, call.t64, call.budget_total, fold=opts.fold
+        ).mask
         exact = none
     else:
         has_interior = torch.tensor([hi - lo >= 2 for lo, hi in call.windows], device=dev)
@@ -350,7 +502,7 @@ def choose_plan(
         mask = uniform_mask(T, B, list(call.anchors), list(call.windows), exact, dev)
         if call.executor == "eager":
             whole = list(call.anchors)
-    return PlanChoice(make_plan(mask, call.t64, whole), scores, exact)
+    return PlanChoice(make_plan(mask, call.t64, whole, fold=opts.fold), scores, exact)
 
 
 def route_scores(call: JaggCall, values: torch.Tensor) -> torch.Tensor:

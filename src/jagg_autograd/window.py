@@ -76,6 +76,7 @@ def jagg_window(
     budget: float | None = None,
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
+    fold: str = "linear",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of one window of W >= 2 sampling steps, with the JAGG gradient.
 
@@ -133,10 +134,11 @@ def jagg_window(
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
-            programming, with round(budget * B) anchors shared across the batch greedily by
-            marginal reduction.  Every sample gets its first and last step with a non-zero
-            upstream gradient (2 anchors; 1 if only one step is non-zero, 0 if none);
-            steps outside that span need no anchor.
+            programming, with round(budget * B) anchors shared group-fairly: every sample
+            the same count, the remainder one more each by scale-free proxy gain, nothing
+            depending on |g|'s scale (``planner.adaptive_choice``).  Every sample gets
+            its first and last step with a non-zero upstream gradient (2 anchors; 1 if
+            only one step is non-zero, 0 if none); steps outside that span need none.
         budget: mean anchors per sample for placement="adaptive" (default: the uniform
             layout's anchor count, 2 for a window).
         params: the trainable tensors, needed by ``deferred=True`` when ``model`` is not an
@@ -145,6 +147,11 @@ def jagg_window(
             ``rtol * (1 + max|values|)``, rtol 1e-5 in float32, 1e-9 in float64, 4e-3 in
             float16, 3e-2 in bfloat16: anchors recomputed in another batch than the
             rollout's differ by round-off only).
+        fold: how each step's g folds onto its anchors (``planner.FOLDS``): "linear"
+            (the t-linear weights below; unbiased for GRPO only with zero-mean advantages
+            and per-sample decisions that do not depend on them) or "causal" (onto the
+            anchor at or before the step only: unbiased for any advantages, less accurate
+            per batch); see :func:`jagg_autograd.planner.interpolation_weights`.
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
@@ -185,6 +192,7 @@ def jagg_trajectory(
     budget: float | None = None,
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
+    fold: str = "linear",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 

@@ -1,0 +1,292 @@
+"""``fold=`` (issue 18): the causal fold's weights, its gradient against a brute-force
+reference on every path (eager, deferred, adaptive), its exactness family, the Triton mix
+kernel with causal weights, and the group-fair adaptive planner's scale invariance."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from fields import MLPField, params_grad, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from jagg_autograd import jagg_mix, jagg_mix_ref, jagg_trajectory, jagg_window
+from jagg_autograd.planner import (
+    FOLDS,
+    adaptive_choice,
+    interpolation_weights,
+    make_plan,
+    proxy_cost,
+    segment_costs,
+)
+
+F64 = torch.float64
+
+
+def _t(T: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(T)
+    gaps = 0.05 + torch.rand(T, generator=g, dtype=F64)
+    return (gaps.cumsum(0) / gaps.sum()).flip(0)
+
+
+def test_folds_and_causal_weights_of_a_mask():
+    assert FOLDS == ("linear", "causal")
+    t = torch.tensor([1.0, 0.8, 0.5, 0.4, 0.0], dtype=F64).unsqueeze(1).expand(5, 2)
+    mask = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 0], [1, 1]], dtype=torch.bool)
+    wc, wn = interpolation_weights(mask, t, "causal")
+    # Every step onto the anchor at or before it, weight 1; before the first anchor 0.
+    torch.testing.assert_close(wc[:, 0], torch.tensor([1, 1, 1, 1, 1], dtype=F64))
+    torch.testing.assert_close(wc[:, 1], torch.tensor([0, 1, 1, 1, 1], dtype=F64))
+    assert not wn.any()
+    # The default stays JAGG's linear fold.
+    lin = interpolation_weights(mask, t)
+    torch.testing.assert_close(lin[1][:, 0], torch.tensor([0, 0.4, 0, 0.2, 0], dtype=F64))
+
+
+def test_fold_is_validated_before_any_model_call():
+    calls = []
+
+    def model(z, t):
+        calls.append(1)
+        return z * t.view(-1, 1)
+
+    lat = torch.randn(4, 2, 3, dtype=F64)
+    t = _t(4)
+    for bad in ("cubic", "Linear", None, 1):
+        with pytest.raises(ValueError, match="fold"):
+            jagg_trajectory(model, lat, t, window=3, fold=bad)
+        with pytest.raises(ValueError, match="fold"):
+            jagg_window(model, lat, t, fold=bad)
+    with pytest.raises(ValueError, match="fold"):
+        interpolation_weights(torch.ones(3, 1, dtype=torch.bool), _t(3)[:, None], "nearest")
+    assert calls == []
+
+
+def _causal_reference(model, lat, t, up, mask):
+    """Brute force: sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor at or before k,
+    one VJP per (step, sample) pair through its anchor's own forward."""
+    T, B = mask.shape
+    total = None
+    for b in range(B):
+        anchors = mask[:, b].nonzero().flatten().tolist()
+        for k in range(T):
+            prev = [a for a in anchors if a <= k]
+            if not prev or not bool(up[k, b].ne(0).any()):
+                continue
+            p = prev[-1]
+            v = model(lat[p, b : b + 1], t[p : p + 1])
+            g = params_grad((v * up[k, b : b + 1]).sum(), model)
+            total = g if total is None else total + g
+    return total
+
+
+@pytest.mark.parametrize("path", ["eager", "deferred", "values+deferred", "adaptive"])
+def test_causal_fold_equals_brute_force(path):
+    model = MLPField(3, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    T, B = 9, 3
+    lat = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    up = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    t = _t(T)
+    kw: dict = {}
+    if path != "eager":
+        kw["deferred"] = True
+    if path in ("values+deferred", "adaptive"):
+        with torch.no_grad():
+            kw["values"] = jagg_trajectory(model, lat, t, window=4)
+    if path == "adaptive":
+        kw.update(placement="adaptive", budget=3.5)
+    v, st_ = jagg_trajectory(model, lat, t, window=4, fold="causal", return_stats=True, **kw)
+    got = params_grad((v * up).sum(), model)
+    mask = st_.anchor_mask
+    if path != "adaptive":
+        assert mask[[0, 3, 6, 8]].all() and int(mask.sum()) == 4 * B
+    want = _causal_reference(model, lat, t, up, mask)
+    assert rel_err(got, want) < 1e-12
+    # ... and it is not the linear fold's gradient.
+    v = jagg_trajectory(model, lat, t, window=4, **kw)
+    assert rel_err(params_grad((v * up).sum(), model), want) > 1e-3
+
+
+class ConstantJacobianField(nn.Module):
+    """f(z, t) = phi(z, t) + c(theta): nonlinear in (z, t) but parameter-free there, so
+    J = dc/dtheta is the same at every step: the causal fold is exact (any anchors)."""
+
+    def __init__(self, d: int, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("R", torch.randn(d, d, generator=g, dtype=F64))
+        self.a = nn.Parameter(torch.randn(d, generator=g, dtype=F64))
+        self.M = nn.Parameter(0.3 * torch.randn(d, d, generator=g, dtype=F64))
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        shape = z.shape
+        x = z.reshape(shape[0], -1, self.R.shape[0])
+        phi = torch.tanh(x @ self.R + t.view(-1, 1, 1)) * x
+        c = torch.sin(self.M) @ torch.exp(self.a)
+        return (phi + c).reshape(shape)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(3, 9), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_causal_fold_is_exact_where_the_jacobian_is_constant(T, B, seed):
+    f = ConstantJacobianField(3, seed=seed % 997)
+    gen = torch.Generator().manual_seed(seed)
+    lat = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    up = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    t = _t(T)
+    ex = params_grad((jagg_trajectory(f, lat, t, window=2, mode="exact") * up).sum(), f)
+    for kw in ({}, {"deferred": True}, {"deferred": True, "placement": "adaptive", "budget": 2}):
+        got = params_grad(
+            (jagg_trajectory(f, lat, t, window=min(3, T), fold="causal", **kw) * up).sum(), f
+        )
+        assert rel_err(got, ex) < 1e-10, kw
+
+
+def test_causal_fold_is_not_exact_on_the_linear_family():
+    # f = phi(z) + a + t b: J affine in t. The linear fold is exact, the causal one not:
+    # the test above cannot pass by ignoring the fold.
+    from fields import SeparableField
+
+    f = SeparableField(3, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    T, B = 8, 2
+    lat = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    up = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    t = _t(T)
+    ex = params_grad((jagg_trajectory(f, lat, t, window=2, mode="exact") * up).sum(), f)
+    lin = params_grad((jagg_trajectory(f, lat, t, window=4) * up).sum(), f)
+    cau = params_grad((jagg_trajectory(f, lat, t, window=4, fold="causal") * up).sum(), f)
+    assert rel_err(lin, ex) < 1e-10 < 1e-3 < rel_err(cau, ex)
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,B,N,seed", [(2, 1, 1, 0), (9, 3, 63, 1), (10, 5, 100, 2)])
+def test_mix_kernel_with_causal_weights(dtype, T, B, N, seed):
+    pytest.importorskip("triton")
+    dev = torch.device(os.environ.get("JAGG_TEST_DEVICE", "cpu"))
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(T, B, generator=g) < 0.4
+    mask[0, 0] = True
+    wc, wn = interpolation_weights(mask, _t(T)[:, None].expand(T, B), "causal")
+    grad = torch.randn(T, B, N, generator=g).to(dtype)
+    # Brute force: each anchor pair gets its own g plus every later step's up to the next.
+    want = torch.zeros(int(mask.sum()), N, dtype=F64)
+    rows = torch.full((T, B), -1, dtype=torch.long)
+    rows[mask] = torch.arange(int(mask.sum()))
+    for b in range(B):
+        r = -1
+        for k in range(T):
+            r = int(rows[k, b]) if mask[k, b] else r
+            if r >= 0:
+                want[r] += grad[k, b].double()
+    ref = jagg_mix_ref(grad, wc, wn, mask)
+    got = jagg_mix(grad.to(dev), wc.to(dev), wn.to(dev), mask.to(dev), backend="triton")
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(ref.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+
+
+def test_causal_proxy_matches_direct_residuals():
+    gen = torch.Generator().manual_seed(2)
+    T, B, N = 7, 3, 5
+    v = torch.randn(T, B, N, generator=gen, dtype=F64).cumsum(0) + 3.0
+    g = torch.randn(T, B, N, generator=gen, dtype=F64)
+    t = _t(T)[:, None].expand(T, B)
+    C = segment_costs(v, g, t, "causal")
+    for p, q in [(0, 6), (1, 4), (2, 5)]:
+        mask = torch.zeros(T, B, dtype=torch.bool)
+        mask[[p, q]] = True
+        sub = slice(p, q + 1)
+        want = proxy_cost(v[sub], g[sub], t[sub], mask[sub], "causal")
+        torch.testing.assert_close(C[:, p, q], want, rtol=1e-9, atol=1e-9)
+    ch = adaptive_choice(v, g, t, total=3 * B + 1, fold="causal")
+    torch.testing.assert_close(
+        proxy_cost(v, g, t, ch.mask, "causal"), ch.cost, rtol=1e-9, atol=1e-9
+    )
+
+
+# ------------------------------------------------------------- group-fair: scale invariance
+
+
+def _planner_case(T: int, B: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(T, B, 6, generator=gen, dtype=F64).cumsum(0)
+    g = torch.randn(T, B, 6, generator=gen, dtype=F64) * torch.rand(
+        T, B, 1, generator=gen, dtype=F64
+    )
+    g = g * torch.exp(2 * torch.randn(1, B, 1, generator=gen, dtype=F64))  # |A|-like scales
+    t = _t(T)[:, None].expand(T, B).contiguous()
+    return v, g, t
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+@pytest.mark.parametrize("fold", FOLDS)
+def test_scaling_one_samples_gradient_changes_no_decision(c, fold):
+    T, B = 10, 8
+    v, g, t = _planner_case(T, B, 5)
+    for total in (2 * B, 3 * B, 3 * B + 3, 4 * B + 5, 7 * B + 1):
+        base = adaptive_choice(v, g, t, total, fold=fold)
+        assert int(base.counts.sum()) == total
+        assert int(base.counts.max() - base.counts.min()) <= 1  # equal counts (+ remainder)
+        for j in range(B):
+            g2 = g.clone()
+            g2[:, j] *= c
+            ch = adaptive_choice(v, g2, t, total, fold=fold)
+            assert torch.equal(ch.counts, base.counts), (total, j)
+            assert torch.equal(ch.mask, base.mask), (total, j)
+
+
+def test_the_old_greedy_split_did_depend_on_the_scale():
+    # The reason for the change (and proof that the test above can fail).
+    T, B = 10, 8
+    v, g, t = _planner_case(T, B, 5)
+    base = adaptive_choice(v, g, t, 4 * B, _greedy=True)
+    g2 = g.clone()
+    j = int(base.counts.argmin())
+    g2[:, j] *= 1e3
+    ch = adaptive_choice(v, g2, t, 4 * B, _greedy=True)
+    assert int(ch.counts[j]) > int(base.counts[j])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(3, 9),
+    st.integers(1, 6),
+    st.floats(2.0, 9.0),
+    st.integers(0, 2**31 - 1),
+    st.floats(-3.0, 3.0),
+    st.sampled_from(FOLDS),
+)
+def test_adaptive_decisions_are_scale_free(T, B, budget, seed, log_c, fold):
+    v, g, t = _planner_case(T, B, seed)
+    # Some samples start later / end earlier / have no gradient: the active ranges.
+    gen = torch.Generator().manual_seed(seed + 1)
+    for b in range(B):
+        r = int(torch.randint(0, 4, (1,), generator=gen))
+        if r == 1:
+            g[0, b] = 0
+        elif r == 2:
+            g[-1, b] = 0
+        elif r == 3 and B > 1 and b == 0:
+            g[:, b] = 0
+    total = round(min(budget, T) * B)
+    base = adaptive_choice(v, g, t, total, fold=fold)
+    j = seed % B
+    g2 = g.clone()
+    g2[:, j] *= 10.0**log_c
+    ch = adaptive_choice(v, g2, t, total, fold=fold)
+    assert torch.equal(ch.counts, base.counts)
+    assert torch.equal(ch.mask, base.mask)
+    # Samples with the same active span get the same count, up to the remainder's one.
+    act = g.reshape(T, B, -1).ne(0).any(-1).sum(0)
+    for n in act.unique().tolist():
+        same = base.counts[act == n]
+        assert int(same.max() - same.min()) <= 1
+    # The plan of the choice is well formed: every anchor pair has a row.
+    plan = make_plan(base.mask, t, fold=fold)
+    assert plan.n_rows == int(base.mask.sum())
