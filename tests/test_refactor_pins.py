@@ -8,6 +8,11 @@ paths, probe cosines) and every held-out evaluation must come out the same, to f
 round-off (1e-12 relative).  The RNG stream (prompts, rollout noise, the estimators' own
 draws) is part of what is pinned.  If a change is *meant* to change numbers, regenerate
 the file from the code before that change and say so in the commit.
+
+Meant changes since: ``adaptive`` was regenerated after issue 18 made the adaptive
+planner group-fair (every sample the same anchor count instead of the greedy split by
+|g|-scaled proxy gain): its step-2 gradient norm and last evaluation moved, every other
+number of that run stayed.
 """
 
 from __future__ import annotations
