@@ -28,12 +28,20 @@ cost a device sync per model call; a NaN there surfaces as a ``ValueError`` from
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 import torch
+
+from jagg_autograd._validate import _check_float_tensor, _check_nonneg, _is_real_number
+from jagg_autograd.advantages import group_advantages
+from jagg_autograd.schedules import (
+    SigmaLike,
+    flow_match_sigmas,
+    scheduler_sigmas,
+    shift_sigmas,
+    shifted_sigma_schedule,
+)
 
 __all__ = [
     "dance_sde_step_with_logprob",
@@ -48,7 +56,6 @@ __all__ = [
     "shifted_sigma_schedule",
 ]
 
-SigmaLike = float | torch.Tensor
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -57,19 +64,6 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 # --------------------------------------------------------------------------------------------
 # validation helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _is_real_number(x: object) -> bool:
-    # bool is an int subclass; a True sigma or noise level is almost surely a bug.
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_float_tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    return x
 
 
 def _check_step_tensors(
@@ -430,159 +424,6 @@ def ode_step(
 
 
 # --------------------------------------------------------------------------------------------
-# sigma schedule
-# --------------------------------------------------------------------------------------------
-
-
-def _check_shift(shift: object) -> float:
-    if not _is_real_number(shift):
-        raise TypeError(f"shift must be a float, got {type(shift).__name__}")
-    s = float(shift)
-    if not (math.isfinite(s) and s > 0.0):
-        raise ValueError(f"shift must be a finite number > 0, got {shift}")
-    return s
-
-
-def shift_sigmas(sigmas: SigmaLike, shift: float) -> SigmaLike:
-    """SD3's timestep shift ``sigma <- shift * sigma / (1 + (shift - 1) * sigma)``.
-
-    Shapes: ``sigmas`` is a float or a tensor of any shape; the result has the same type and
-    shape. It maps [0, 1] onto itself monotonically, fixing 0 and 1; ``shift > 1`` spends
-    more steps at high noise.
-    """
-    s = _check_shift(shift)
-    if isinstance(sigmas, torch.Tensor):
-        if not sigmas.is_floating_point():
-            raise TypeError(f"sigmas must be a floating-point tensor, got dtype {sigmas.dtype}")
-    elif not _is_real_number(sigmas):
-        raise TypeError(f"sigmas must be a float or a torch.Tensor, got {type(sigmas).__name__}")
-    return s * sigmas / (1.0 + (s - 1.0) * sigmas)
-
-
-def shifted_sigma_schedule(
-    num_steps: int,
-    shift: float = 3.0,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """A shifted sigma schedule for ``num_steps`` steps from 1 to 0 (FLUX / DanceGRPO style).
-
-    Returns ``sigmas``: ``(num_steps + 1,)``, strictly decreasing, ``sigmas[0] == 1`` and
-    ``sigmas[-1] == 0`` exactly; step ``i`` goes ``sigmas[i] -> sigmas[i + 1]`` and
-    ``sigmas[1]`` is the ``sigma_max`` of :func:`sde_step_with_logprob`.
-
-    Math: ``u_i = 1 - i / num_steps`` (the ``linspace(1, 1/N, N)`` that ``FluxPipeline``
-    passes as ``sigmas=``, plus the trailing 0), then ``sigma_i = shift * u_i / (1 + (shift -
-    1) * u_i)`` -- one shift.  This is DanceGRPO's and FLUX's schedule, NOT the one
-    Flow-GRPO's SD3 pipeline samples with: ``FlowMatchEulerDiscreteScheduler(shift=3)``
-    spaces its timesteps between the *shifted* ``sigma_max`` and ``sigma_min`` and shifts
-    again, which differs from this by up to 0.24 (``num_steps=10``, ``shift=3``); use
-    :func:`flow_match_sigmas` (or :func:`scheduler_sigmas` with the scheduler itself) for
-    that.  Computed in float64; the endpoints are pinned because the ``sigma == 1`` branch
-    of the SDE step relies on an exact 1.
-
-    Raises ``ValueError`` when ``dtype`` is too coarse to keep the steps distinct (e.g.
-    bfloat16, 8 significant bits, at ``num_steps=100``: adjacent sigmas near 1 round to
-    the same value): compute the schedule in float32/float64 and cast where needed.
-    """
-    if not isinstance(num_steps, numbers.Integral) or isinstance(num_steps, bool):
-        raise TypeError(f"num_steps must be an int, got {type(num_steps).__name__}")
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    s = _check_shift(shift)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype}")
-    u = torch.linspace(1.0, 0.0, int(num_steps) + 1, dtype=torch.float64)
-    sig = shift_sigmas(u, s)
-    sig[0] = 1.0
-    sig[-1] = 0.0
-    out = sig.to(dtype=dtype)
-    # The documented contract is "strictly decreasing"; a coarse dtype can round adjacent
-    # steps together (a zero-length step), which the SDE step and JAGG's timestep check
-    # would then meet much later.  Refuse here, where the cause is obvious.
-    if not bool((out[1:] < out[:-1]).all()):
-        k = int((out[1:] >= out[:-1]).nonzero()[0])
-        raise ValueError(
-            f"dtype {dtype} cannot hold {num_steps} distinct steps of this schedule "
-            f"(shift={s}): sigmas[{k}] and sigmas[{k + 1}] both round to {float(out[k])}; "
-            "use dtype=torch.float32 or torch.float64"
-        )
-    return out.to(device=device)
-
-
-def flow_match_sigmas(
-    num_steps: int,
-    shift: float = 3.0,
-    *,
-    num_train_timesteps: int = 1000,
-    dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """The sigmas of diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (SD3, Flow-GRPO).
-
-    Returns ``(num_steps + 1,)``: exactly ``scheduler.sigmas`` after
-    ``scheduler.set_timesteps(num_steps)`` (float32 values, returned in ``dtype``), without
-    diffusers.  Step ``i`` goes ``sigmas[i] -> sigmas[i + 1]``; the model's ``t`` is the
-    sigma itself (the scheduler's ``timesteps`` are ``1000 * sigma``: the adapters in
-    :mod:`jagg_autograd.integrations.diffusers` apply that factor).
-
-    Math, with ``s(x) = shift * x / (1 + (shift - 1) * x)`` and ``N = num_train_timesteps``::
-
-        sigma_min = s(1 / N)                       (in float32, as the scheduler's __init__)
-        u_i = linspace(1, sigma_min, num_steps)    (float64)
-        sigma_i = s(u_i) for i < num_steps,  sigma_num_steps = 0
-
-    i.e. the shift is applied twice to the low end (the scheduler spaces its steps between
-    the shifted bounds and shifts again); :func:`shifted_sigma_schedule` shifts once.
-    """
-    if not isinstance(num_steps, numbers.Integral) or isinstance(num_steps, bool):
-        raise TypeError(f"num_steps must be an int, got {type(num_steps).__name__}")
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    if not isinstance(num_train_timesteps, numbers.Integral) or num_train_timesteps < 1:
-        raise ValueError(f"num_train_timesteps must be an int >= 1, got {num_train_timesteps!r}")
-    s = _check_shift(shift)
-    n = int(num_train_timesteps)
-    # The scheduler's __init__ computes its bounds in float32; reproduce its rounding.
-    lo = torch.tensor(1.0, dtype=torch.float32) / n
-    sigma_min = float(s * lo / (1 + (s - 1) * lo))
-    u = np.linspace(1.0 * n, sigma_min * n, int(num_steps)) / n
-    sig = torch.from_numpy(s * u / (1 + (s - 1) * u)).to(torch.float32)
-    sig = torch.cat([sig, sig.new_zeros(1)])
-    return sig.to(dtype=dtype, device=device)
-
-
-def scheduler_sigmas(
-    scheduler: object, num_steps: int, **set_timesteps_kwargs: object
-) -> torch.Tensor:
-    """``(num_steps + 1,)`` float64 sigmas of a diffusers flow-matching scheduler.
-
-    Calls ``scheduler.set_timesteps(num_steps, **set_timesteps_kwargs)`` (which changes the
-    scheduler's state, as a pipeline call does; e.g. ``mu=`` for FLUX's dynamic shifting)
-    and returns its ``sigmas`` (noise levels in [0, 1], the trailing 0 included), the
-    schedule to pass to :func:`jagg_autograd.rollout.sample_trajectories` and, without
-    the last entry, as ``jagg_trajectory``'s timesteps.
-    """
-    if not hasattr(scheduler, "set_timesteps"):
-        raise TypeError(
-            f"scheduler must be a diffusers scheduler with set_timesteps, got "
-            f"{type(scheduler).__name__}"
-        )
-    scheduler.set_timesteps(num_steps, **set_timesteps_kwargs)  # type: ignore[attr-defined]
-    sig = getattr(scheduler, "sigmas", None)
-    if not isinstance(sig, torch.Tensor) or sig.dim() != 1 or sig.numel() != num_steps + 1:
-        raise ValueError(
-            f"scheduler.sigmas must be a ({num_steps + 1},) tensor after set_timesteps "
-            "(a flow-matching scheduler such as FlowMatchEulerDiscreteScheduler)"
-        )
-    out = sig.detach().to("cpu", torch.float64)
-    if not bool(((out >= 0) & (out <= 1)).all() and (out[1:] < out[:-1]).all()):
-        raise ValueError("scheduler.sigmas must be strictly decreasing noise levels in [0, 1]")
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # loss and KL
 # --------------------------------------------------------------------------------------------
 
@@ -594,16 +435,6 @@ def _check_batch_vector(name: str, x: object, batch: int | None) -> torch.Tensor
     if batch is not None and x.shape[0] != batch:
         raise ValueError(f"{name} must have shape ({batch},), got {tuple(x.shape)}")
     return x
-
-
-def _check_nonneg(name: str, x: object, *, strict: bool) -> float:
-    if not _is_real_number(x):
-        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    val = float(x)
-    ok = math.isfinite(val) and (val > 0.0 if strict else val >= 0.0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} 0, got {x}")
-    return val
 
 
 def grpo_loss(
@@ -751,116 +582,4 @@ def kl_to_reference(
     return (diff2 / (2.0 * std**2)).reshape(batch, -1).mean(dim=1)
 
 
-# --------------------------------------------------------------------------------------------
-# advantages
-# --------------------------------------------------------------------------------------------
 
-
-def _group_inverse(group_ids: object, batch: int) -> tuple[np.ndarray, int]:
-    """Group index per sample (0..G-1) in order of first appearance, and G."""
-    if isinstance(group_ids, torch.Tensor):
-        if group_ids.is_floating_point() or group_ids.is_complex():
-            raise TypeError(
-                f"group_ids must be an integer tensor or a sequence of hashables (e.g. prompt "
-                f"strings), got a tensor of dtype {group_ids.dtype}"
-            )
-        if group_ids.ndim != 1:
-            raise ValueError(f"group_ids must have shape (B,), got {tuple(group_ids.shape)}")
-        keys: list[object] = group_ids.detach().cpu().tolist()
-    elif isinstance(group_ids, np.ndarray):
-        if group_ids.ndim != 1:
-            raise ValueError(f"group_ids must have shape (B,), got {group_ids.shape}")
-        keys = group_ids.tolist()
-    elif isinstance(group_ids, Sequence) and not isinstance(group_ids, (str, bytes)):
-        keys = list(group_ids)
-    else:
-        raise TypeError(
-            "group_ids must be an integer tensor or a sequence of hashables (e.g. prompt "
-            f"strings), got {type(group_ids).__name__}"
-        )
-    if len(keys) != batch:
-        raise ValueError(
-            f"group_ids has {len(keys)} entries but rewards has {batch}; "
-            "expected one group id per reward"
-        )
-    index: dict[object, int] = {}
-    inverse = np.empty(batch, dtype=np.int64)
-    for i, k in enumerate(keys):
-        try:
-            inverse[i] = index.setdefault(k, len(index))
-        except TypeError as exc:
-            raise TypeError(
-                f"group_ids entries must be hashable, got {type(k).__name__} at index {i}"
-            ) from exc
-    return inverse, len(index)
-
-
-def group_advantages(
-    rewards: torch.Tensor | Sequence[float] | np.ndarray,
-    group_ids: torch.Tensor | Sequence[object] | np.ndarray,
-    *,
-    global_std: bool = False,
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    """Per-prompt (group-relative) advantages, Flow-GRPO's ``PerPromptStatTracker``.
-
-    Shapes: ``rewards``: ``(B,)``; ``group_ids``: ``(B,)`` integer tensor, or a length-B
-    sequence of hashables (e.g. the prompt strings). Returns ``(B,)`` advantages in
-    ``rewards``' float dtype (float32 for non-tensor input) on ``rewards``' device.
-
-    Math, for sample ``i`` in group ``g``::
-
-        A_i = (R_i - mean_{j in g} R_j) / (std + eps)
-        std = std_{j in g} R_j        (global_std=False)   or   std_j R_j over the whole batch
-
-    with population (``ddof=0``) standard deviations, as ``numpy.std`` in Flow-GRPO. A group
-    of one sample, or of equal rewards, gets advantage 0. Computed in float64 on the rewards
-    divided by a power of two near their largest magnitude (exact, so the result is the same;
-    huge rewards such as 1e300 do not overflow the squared deviations).
-
-    NaN policy: non-finite rewards raise ``ValueError`` naming ``rewards`` and the offending
-    indices; no group is silently skipped.
-    """
-    if isinstance(rewards, torch.Tensor):
-        if not rewards.is_floating_point():
-            raise TypeError(f"rewards must be a floating-point tensor, got dtype {rewards.dtype}")
-        out_dtype, device = rewards.dtype, rewards.device
-        r = rewards.detach().to("cpu", torch.float64).numpy()
-    else:
-        try:
-            r = np.asarray(rewards, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"rewards must be a (B,) float tensor or sequence of floats: {exc}"
-            ) from exc
-        out_dtype, device = torch.float32, torch.device("cpu")
-    if r.ndim != 1 or r.shape[0] < 1:
-        raise ValueError(f"rewards must have shape (B,) with B >= 1, got {tuple(r.shape)}")
-    bad = ~np.isfinite(r)
-    if bad.any():
-        raise ValueError(
-            f"rewards has non-finite values at index {np.flatnonzero(bad).tolist()} "
-            f"({r[bad].tolist()}); fix or drop those samples before computing advantages"
-        )
-    if not isinstance(global_std, bool):
-        raise TypeError(f"global_std must be a bool, got {type(global_std).__name__}")
-    eps_f = _check_nonneg("eps", eps, strict=True)
-    inverse, n_groups = _group_inverse(group_ids, r.shape[0])
-
-    # A = (R - mean) / (std + eps) is invariant under R -> R / c, eps -> eps / c.  With c a
-    # power of two the division is exact (no rounding), and |R / c| <= 1 keeps the squares
-    # below overflow: rewards near 1e300 would otherwise give an infinite std and all-zero
-    # advantages.
-    scale = float(np.ldexp(1.0, np.frexp(np.abs(r).max())[1])) if np.any(r) else 1.0
-    r = r / scale
-    counts = np.bincount(inverse, minlength=n_groups).astype(np.float64)
-    means = np.bincount(inverse, weights=r, minlength=n_groups) / counts
-    centered = r - means[inverse]
-    if global_std:
-        std = np.full_like(r, r.std())
-    else:
-        var = np.bincount(inverse, weights=centered**2, minlength=n_groups) / counts
-        std = np.sqrt(var)[inverse]
-    with np.errstate(over="ignore"):  # eps / scale overflows only for subnormal rewards: A = 0
-        adv = centered / (std + eps_f / scale)
-    return torch.as_tensor(adv, dtype=out_dtype, device=device)
