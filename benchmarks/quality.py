@@ -360,6 +360,9 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
     return {
         "initial_reward": ev_reward[0],
         "final_reward": ev_reward[-1],
+        # GenEval's strict accuracy (shapes; NaN for tasks / older logs without it)
+        "initial_strict_accuracy": evals[0].get("strict_accuracy", math.nan),
+        "final_strict_accuracy": evals[-1].get("strict_accuracy", math.nan),
         "auc_reward": auc(ev_steps, ev_reward),
         "train_seconds": log["train_seconds"],
         "step_seconds": log["train_seconds"] + log["rollout_seconds"],
@@ -379,6 +382,10 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
             "initial": {k: evals[0][k] for k in CATEGORIES if k in evals[0]},
             "final": {k: evals[-1][k] for k in CATEGORIES if k in evals[-1]},
         },
+        "categories_strict": {
+            when: {k: e[f"{k}_strict_accuracy"] for k in CATEGORIES if f"{k}_strict_accuracy" in e}
+            for when, e in (("initial", evals[0]), ("final", evals[-1]))
+        },
         "curves": {
             "eval_step": ev_steps,
             "eval_reward": ev_reward,
@@ -391,7 +398,8 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
 
 
 SCALARS = (
-    "initial_reward", "final_reward", "auc_reward", "train_seconds", "step_seconds",
+    "initial_reward", "final_reward", "initial_strict_accuracy", "final_strict_accuracy",
+    "auc_reward", "train_seconds", "step_seconds",
     "rollout_seconds", "median_train_step_seconds", "median_step_seconds",
     "forward_samples_per_step", "grad_samples_per_step", "probe_cosine", "probe_cosine_min",
     "anchor_frac", "routed_frac", "plan_frac",
@@ -463,11 +471,12 @@ def aggregate(
         m, m0 = memory.get(n), memory.get("exact")
         agg["peak_saved_bytes"] = m
         agg["peak_saved_rel"] = m / m0 if m is not None and m0 else None
-        cats = [r["categories"] for r in runs]
-        agg["categories"] = {
-            when: {k: mean_std([c[when].get(k) for c in cats]) for k in cats[0][when]}
-            for when in ("initial", "final")
-        }
+        for key in ("categories", "categories_strict"):
+            cats = [r.get(key, {"initial": {}, "final": {}}) for r in runs]
+            agg[key] = {
+                when: {k: mean_std([c[when].get(k) for c in cats]) for k in cats[0][when]}
+                for when in ("initial", "final")
+            }
         agg["seeds"] = seeds
         out[n] = agg
     return out
@@ -608,28 +617,39 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
             "exact are only seed-matched.",
             "",
         ]
+    # GenEval's strict accuracy (the shapes task logs it beside the mean partial reward)
+    strict = any(math.isfinite(a.get("final_strict_accuracy", {}).get("mean", math.nan))
+                 for a in agg.values())  # fmt: skip
     if ex:
         gain = ex["final_reward"]["mean"] - ex["initial_reward"]["mean"]
+        sa0, sa1 = ex.get("initial_strict_accuracy"), ex.get("final_strict_accuracy")
+        acc = (
+            f"; strict accuracy {sa0['mean']:.4f} → {sa1['mean']:.4f} ± {sa1['std']:.4f}"
+            if strict and sa0 and sa1
+            else ""
+        )
         lines += [
             f"Exact GRPO raises the held-out reward from {ex['initial_reward']['mean']:.4f} to "
             f"{ex['final_reward']['mean']:.4f} ± {ex['final_reward']['std']:.4f} "
-            f"({gain:+.4f}).",
+            f"({gain:+.4f}){acc}.",
             "",
         ]
     lines += [
-        "| variant | final reward | Δ final vs ref | AUC reward | Δ AUC | train time / ref "
+        "| variant | final reward " + ("| final strict accuracy " if strict else "")
+        + "| Δ final vs ref | AUC reward | Δ AUC | train time / ref "
         "| step time / ref | reward − ref's at equal wall-clock (mean / min) "
         "| peak saved bytes / per-step loop | fwd / grad samples per step "
         "| grad cosine (mean / min) | anchor / routed frac | planner time frac |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if strict else ""),
+    ]  # fmt: skip
     for n, a in agg.items():
         w = a.get("wallclock_margin", {})
         ref = a.get("ref", "exact")
         wm = f"{w['mean']:+.4f} / {w['min']:+.4f}" if w.get("points") and n != ref else "–"
+        sa = f"| {_fmt(a.get('final_strict_accuracy'), digits=4)} " if strict else ""
         lines.append(
             f"| {n}{'' if ref == 'exact' else f' (ref {ref})'} "
-            f"| {_fmt(a['final_reward'], digits=4)} "
+            f"| {_fmt(a['final_reward'], digits=4)} {sa}"
             f"| {_fmt(a.get('final_rel_diff'), 100, 2, True)} | {_fmt(a['auc_reward'], digits=4)} "
             f"| {_fmt(a.get('auc_rel_diff'), 100, 2, True)} "
             f"| {_fmt(a.get('train_seconds_ratio'))} | {_fmt(a.get('step_seconds_ratio'))} "
@@ -669,6 +689,22 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
         ]
         for n in cat_rows:
             c = agg[n]["categories"]
+            lines.append(f"| {n} | " + " | ".join(
+                f"{c['initial'][k]['mean']:.3f} → {c['final'][k]['mean']:.3f}" for k in cats
+            ) + " |")  # fmt: skip
+    s_rows = [n for n in cat_rows if agg[n].get("categories_strict", {}).get("final")]
+    if s_rows:
+        cats = list(agg[s_rows[0]]["categories_strict"]["final"])
+        lines += [
+            "",
+            "Held-out strict accuracy (GenEval: fraction of fully correct pictures) per "
+            "category, before → after (mean over seeds):",
+            "",
+            "| variant | " + " | ".join(cats) + " |",
+            "|---|" + "---|" * len(cats),
+        ]
+        for n in s_rows:
+            c = agg[n]["categories_strict"]
             lines.append(f"| {n} | " + " | ".join(
                 f"{c['initial'][k]['mean']:.3f} → {c['final'][k]['mean']:.3f}" for k in cats
             ) + " |")  # fmt: skip

@@ -82,6 +82,14 @@ def test_per_seed_summary_of_a_hand_made_log():
     assert s["routed_frac"] == pytest.approx(0.15) and s["anchor_frac"] == pytest.approx(0.4)
     assert s["plan_frac"] == pytest.approx(0.4 / 4.0)
     assert s["categories"] == {"initial": cats[0], "final": cats[4]}
+    assert math.isnan(s["final_strict_accuracy"]) and s["categories_strict"]["final"] == {}
+    strict = {
+        0: {"strict_accuracy": 0.1, "counting_strict_accuracy": 0.0},
+        4: {"strict_accuracy": 0.3, "counting_strict_accuracy": 0.5},
+    }
+    s = per_seed_summary(_log([0.5, 0.7, 0.8], [0, 2, 4], 4.0, cats=strict))
+    assert s["initial_strict_accuracy"] == 0.1 and s["final_strict_accuracy"] == 0.3
+    assert s["categories_strict"] == {"initial": {"counting": 0.0}, "final": {"counting": 0.5}}
     assert s["curves"]["probe_step"] == [0, 2]
     assert math.isnan(per_seed_summary(_log([0.5, 0.7, 0.8], [0, 2, 4], 4.0))["plan_frac"])
 
@@ -227,6 +235,9 @@ def test_quick_json(quick_run: Path):
         assert t["prompts_differ"] == []
     cats = res["tasks"]["shapes"]["aggregate"]["exact"]["categories"]["final"]
     assert {"counting", "position", "color_attr"} <= set(cats)
+    ex = res["tasks"]["shapes"]["aggregate"]["exact"]
+    assert 0.0 <= ex["final_strict_accuracy"]["mean"] <= 1.0
+    assert {"counting", "position", "color_attr"} <= set(ex["categories_strict"]["final"])
     targets = {(r["task"], r["target"].split(":")[0]) for r in res["targets"]}
     assert ("shapes", DEFAULT) in targets and ("digits", DEFAULT) in targets
 
@@ -235,6 +246,9 @@ def test_quick_markdown_and_plots(quick_run: Path):
     md = (quick_run / "QUALITY.md").read_text()
     for s in ("## Targets", "## digits", "## shapes", f"| {DEFAULT} |", "| single_object |"):
         assert s in md
+    shapes_md = md[md.index("## shapes") :]
+    assert "| final strict accuracy |" in shapes_md and "Held-out strict accuracy" in shapes_md
+    assert "strict accuracy" not in md[md.index("## digits") : md.index("## shapes")]
     for task in ("digits", "shapes"):
         for name in ("reward_vs_step", "reward_vs_wallclock", "cosine_vs_step"):
             data = (quick_run / f"{name}_{task}.png").read_bytes()

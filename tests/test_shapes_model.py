@@ -17,7 +17,12 @@ from jagg_autograd.models.shapes import (
 from jagg_autograd.tasks.base import GRPOTask
 from jagg_autograd.tasks.shapes import ShapesTask, grid_caption, save_grid
 from jagg_autograd.tasks.shapes_reward import shapes_reward
-from jagg_autograd.tasks.shapes_scenes import CATEGORIES, eval_prompt_set, prompt_split
+from jagg_autograd.tasks.shapes_scenes import (
+    CATEGORIES,
+    eval_prompt_set,
+    prompt_split,
+    render_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,17 @@ def test_task_interface(task, model):
     pics = task.decode(z)
     assert pics.shape == (3, 32, 32, 3) and 0 <= float(pics.min()) and float(pics.max()) <= 1
     br = task.eval_breakdown(torch.cat([z, z]), ev[:3] + ev[-3:])
-    assert set(br) == {"single_object", "color_attr"}
+    assert set(br) == {
+        "strict_accuracy",
+        "single_object",
+        "single_object_strict_accuracy",
+        "color_attr",
+        "color_attr_strict_accuracy",
+    }
+    assert all(v <= 1.0 for v in br.values())
+    assert all(0.0 <= br[k] <= 1.0 for k in br if k.endswith("strict_accuracy"))
+    pics = render_batch(ev[:3] + ev[-3:], 0)  # clean renders of their prompts
+    assert all(v == 1.0 for v in task.eval_breakdown(pics, ev[:3] + ev[-3:]).values())
     with pytest.raises(ValueError, match="tuning"):
         task.trainable_parameters("partial", 4)
 
@@ -162,8 +177,10 @@ def test_grpo_smoke_run_through_the_trainer(tmp_path):
     assert log["task"] == "shapes" and log["status"] == "finished"
     assert len(log["steps"]) == 2
     first, last = log["evals"][0], log["evals"][-1]
-    assert first["samples"] == len(CATEGORIES) and 0.0 <= first["mean_reward"] <= 1.0
+    assert first["samples"] == len(CATEGORIES) and first["mean_reward"] <= 1.0
+    assert 0.0 <= first["strict_accuracy"] <= 1.0
     assert set(CATEGORIES) <= set(last)
+    assert {f"{c}_strict_accuracy" for c in CATEGORIES} <= set(last)
     assert (tmp_path / "log.json").is_file()
 
 

@@ -526,6 +526,13 @@ def test_summary_names_only_what_applies():
     assert "threshold" in router
     sub = trainer_mod.summarize({**base, "config": GRPOConfig(mode="subsample").resolved()})
     assert "4 random steps" in sub and "window" not in sub
+    # the held-out figures, and GenEval's strict accuracy where the task logs it (shapes)
+    ev = {"initial": {"mean_reward": 0.4, "samples": 96}, "final": {"mean_reward": 0.5}}
+    txt = trainer_mod.summarize({**base, "config": cfg, "eval": ev})
+    assert "0.400 -> 0.500 (+0.100)." in txt and "strict" not in txt
+    ev["initial"]["strict_accuracy"], ev["final"]["strict_accuracy"] = 0.25, 0.3
+    txt = trainer_mod.summarize({**base, "config": cfg, "eval": ev})
+    assert "0.400 -> 0.500 (+0.100), strict accuracy 0.250 -> 0.300 (+0.050)." in txt
 
 
 def test_every_flag_has_help_and_its_default_once():

@@ -318,8 +318,12 @@ def summarize(log: dict[str, Any]) -> str:
         a, b = ev["initial"]["mean_reward"], ev["final"]["mean_reward"]
         txt += (
             f" Held-out evaluation ({ev['initial']['samples']} samples, fixed noise): "
-            f"{a:.3f} -> {b:.3f} ({b - a:+.3f})."
+            f"{a:.3f} -> {b:.3f} ({b - a:+.3f})"
         )
+        if "strict_accuracy" in ev["initial"] and "strict_accuracy" in ev["final"]:
+            sa, sb = ev["initial"]["strict_accuracy"], ev["final"]["strict_accuracy"]
+            txt += f", strict accuracy {sa:.3f} -> {sb:.3f} ({sb - sa:+.3f})"
+        txt += "."
     if n:
         if est is not None:
             txt += est.summary_note(cfg, rows)

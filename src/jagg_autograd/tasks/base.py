@@ -79,7 +79,8 @@ class GRPOTask(ABC):
     def eval_breakdown(
         self, latents: torch.Tensor, prompts: Sequence[Any]
     ) -> dict[str, Any]:
-        """Optional per-category mean reward of an evaluation (e.g. GenEval categories).
+        """Optional per-category mean reward of an evaluation (e.g. GenEval categories), and
+        any further figures (e.g. the shapes task's GenEval ``strict_accuracy``).
 
         JSON-ready values (floats, or lists of floats such as the digits' ``per_digit``);
         they are merged into the evaluation's log entry beside ``mean_reward``.

@@ -18,18 +18,37 @@ first and then its attributes, as GenEval detects objects and then classifies th
 5. its position is the centre of its bounding box (GenEval positions detector boxes too; a
    triangle's centroid would sit below its box centre).
 
-**Score** (:func:`score_detections`): a prompt is a conjunction of clauses, each true or false:
+**Score** (:func:`clause_scores`, :func:`score_detections`): Flow-GRPO's partial credit,
+ported from ``evaluate_reward`` in the reward server Flow-GRPO trains GenEval with
+(github.com/yifan123/reward-server, ``reward_server/gen_eval.py``; Flow-GRPO's
+``flow_grpo/rewards.py::geneval_score`` uses its ``scores`` as the reward as they are).
+A prompt is a list of object groups ``(shape, colour, n)`` (GenEval's ``include`` entries);
+the objects *found* for a group are the detections of its shape.  Per group:
 
-* per object group ``(shape, colour, n)``: *count* — exactly ``n`` detected objects of that
-  shape; and if a colour is named, *binding* — exactly ``n`` detected objects of that shape
-  **in that colour**;
-* ``position`` prompts: *relation* — some object of the first shape stands in the relation
-  (:func:`~jagg_autograd.tasks.shapes_scenes.relation_holds`) to some object of the second;
-* always: *total* — no objects beyond the prompt's (the detected total equals the prompt's).
+* *count*: ``1 - |n - n_found| / n`` (not clamped: it is negative when more than ``2n``
+  objects of the shape are found, as in the reward server);
+* *colour* (if the prompt names one): ``1 - |n - n_colour| / n``, ``n_colour`` the found
+  objects of that colour, and ``0`` when the count is wrong;
+* *position* (``position`` prompts, one clause): ``1`` when every found object of the first
+  shape stands in the relation (:func:`~jagg_autograd.tasks.shapes_scenes.relation_holds`)
+  to every found object of the second, else ``0``; also ``0`` when either group's count
+  (or colour) is wrong.
 
-The score is ``1`` when every clause holds (GenEval's binary "correct") and otherwise
-``0.5 * passed / clauses`` — partial credit that gives GRPO a graded signal but always stays
-below ``0.5``, so an image that gets any clause wrong can never look half right.
+The **reward** is the mean of the clause scores (at most 1); an image is **strictly
+correct** (GenEval's accuracy, :func:`strict_correct`) when every clause scores 1.  As in
+the reward server, objects of shapes the prompt does not name, and ``"unknown"`` objects
+(what GenEval's detector would not report), cost nothing; extra objects of a named shape
+lower its count clause.
+
+Mapping to the reward server: its per-class detector boxes (kept above a confidence
+threshold) are our detections of one shape (a template IoU of at least :data:`MIN_IOU`);
+its CLIP colour of each found object's masked crop is our majority palette colour
+(``"unknown"`` matches no colour, as a wrong CLIP colour would not); its
+``relative_position`` of two boxes is :func:`relation_holds` on box centres.  One
+deviation: when a relation fails, the server's loop appends ``0.0`` and then, after its
+``break``, also ``1.0`` (a failed relation with right counts scores 0.75 there instead of
+2/3); we score the position clause 1 or 0, as that code evidently intends.  Its cap of
+16 detections per class is moot on 32x32 pictures.
 """
 
 from __future__ import annotations
@@ -55,9 +74,12 @@ __all__ = [
     "UNKNOWN",
     "Detection",
     "clause_results",
+    "clause_scores",
     "detect_objects",
     "score_detections",
     "shapes_reward",
+    "shapes_scores",
+    "strict_correct",
 ]
 
 MIN_AREA = 12
@@ -171,42 +193,64 @@ def detect_objects(image: torch.Tensor | np.ndarray) -> list[Detection]:
     return out
 
 
-def clause_results(spec: PromptSpec | str, detections: Sequence[Detection]) -> dict[str, bool]:
-    """Each clause of the prompt (see the module doc) and whether ``detections`` satisfy it."""
+def _as_spec(spec: PromptSpec | str) -> PromptSpec:
     if isinstance(spec, str):
         spec = parse_prompt(spec)
     if not isinstance(spec, PromptSpec):
         raise TypeError(f"spec must be a PromptSpec or a prompt str, got {type(spec).__name__}")
-    res: dict[str, bool] = {}
+    return spec
+
+
+def clause_scores(spec: PromptSpec | str, detections: Sequence[Detection]) -> dict[str, float]:
+    """Each clause of the prompt and its partial-credit score (see the module doc).
+
+    Keys, in order: ``count[i]`` and, if group ``i`` names a colour, ``color[i]`` for each
+    object group ``i``; then ``position`` for ``position`` prompts.
+    """
+    spec = _as_spec(spec)
+    res: dict[str, float] = {}
+    matched = []  # per group: count (and colour) exactly right, as the server's `matched`
+    found = [[d for d in detections if d.shape == g.shape] for g in spec.groups]
     for i, g in enumerate(spec.groups):
-        of_shape = [d for d in detections if d.shape == g.shape]
-        res[f"count[{i}]"] = len(of_shape) == g.count
+        n_found = len(found[i])
+        res[f"count[{i}]"] = 1.0 - abs(g.count - n_found) / g.count
+        ok = n_found == g.count
         if g.color is not None:
-            res[f"binding[{i}]"] = sum(d.color == g.color for d in of_shape) == g.count
+            if ok:
+                n_color = sum(d.color == g.color for d in found[i])
+                res[f"color[{i}]"] = 1.0 - abs(g.count - n_color) / g.count
+                ok = n_color == g.count
+            else:
+                res[f"color[{i}]"] = 0.0
+        matched.append(ok)
     if spec.relation is not None:
-        a = [d for d in detections if d.shape == spec.groups[0].shape]
-        b = [d for d in detections if d.shape == spec.groups[1].shape]
-        res["relation"] = any(
-            relation_holds(spec.relation, (da.cx, da.cy), (db.cx, db.cy)) for da in a for db in b
+        holds = all(matched) and all(
+            relation_holds(spec.relation, (a.cx, a.cy), (b.cx, b.cy))
+            for a in found[0]
+            for b in found[1]
         )
-    res["total"] = len(detections) == spec.num_objects
+        res["position"] = 1.0 if holds else 0.0
     return res
 
 
+def clause_results(spec: PromptSpec | str, detections: Sequence[Detection]) -> dict[str, bool]:
+    """Whether each clause of :func:`clause_scores` holds fully (scores 1)."""
+    return {k: v == 1.0 for k, v in clause_scores(spec, detections).items()}
+
+
 def score_detections(spec: PromptSpec | str, detections: Sequence[Detection]) -> float:
-    """``1`` if every clause holds, else ``0.5 * passed / clauses`` (always ``< 0.5``)."""
-    res = clause_results(spec, detections)
-    passed = sum(res.values())
-    if passed == len(res):
-        return 1.0
-    return 0.5 * passed / len(res)
+    """The reward: the mean of the clause scores (1 exactly when every clause holds; below
+    0 only when far more objects of a named shape are found than asked for)."""
+    res = clause_scores(spec, detections)
+    return sum(res.values()) / len(res)
 
 
-def shapes_reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-    """GenEval-style scores of pictures ``images`` ``(N, 3, 32, 32)`` (``[-1, 1]``; clamped).
+def strict_correct(spec: PromptSpec | str, detections: Sequence[Detection]) -> bool:
+    """GenEval's strict accuracy of one picture: every clause holds."""
+    return all(clause_results(spec, detections).values())
 
-    Returns ``(N,)`` float32 in ``[0, 1]`` on ``images``' device; no gradient.
-    """
+
+def _check_batch(images: torch.Tensor, prompts: Sequence[str]) -> list[PromptSpec]:
     if not isinstance(images, torch.Tensor) or not images.dtype.is_floating_point:
         raise TypeError("images must be a floating-point torch.Tensor of shape (N, 3, 32, 32)")
     if images.ndim != 4 or tuple(images.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
@@ -215,7 +259,28 @@ def shapes_reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         raise ValueError(
             f"prompts must be a sequence of {images.shape[0]} prompt strings (one per image)"
         )
-    specs = [parse_prompt(p) for p in prompts]
+    return [parse_prompt(p) for p in prompts]
+
+
+def shapes_scores(
+    images: torch.Tensor, prompts: Sequence[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward and strict correctness of pictures ``images`` ``(N, 3, 32, 32)`` (``[-1, 1]``;
+    clamped) for their prompts, from one detection pass.
+
+    Returns ``(reward, strict)``: ``(N,)`` float32 (at most 1) and ``(N,)`` bool, on
+    ``images``' device; no gradient.
+    """
+    specs = _check_batch(images, prompts)
     x = images.detach().to("cpu", torch.float32)
-    scores = [score_detections(s, detect_objects(x[i])) for i, s in enumerate(specs)]
-    return torch.tensor(scores, dtype=torch.float32, device=images.device)
+    per = [clause_scores(s, detect_objects(x[i])) for i, s in enumerate(specs)]
+    reward = torch.tensor([sum(c.values()) / len(c) for c in per], dtype=torch.float32)
+    strict = torch.tensor([all(v == 1.0 for v in c.values()) for c in per], dtype=torch.bool)
+    return reward.to(images.device), strict.to(images.device)
+
+
+def shapes_reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """The training reward (:func:`score_detections`) of pictures ``images``
+    ``(N, 3, 32, 32)`` (``[-1, 1]``; clamped): ``(N,)`` float32, at most 1, on ``images``'
+    device; no gradient."""
+    return shapes_scores(images, prompts)[0]
