@@ -67,6 +67,10 @@ class NFTEstimator(Estimator):
     supports_probe = False  # DiffusionNFT's loss does not estimate the GRPO gradient
     uses_timestep_fraction = False
 
+    #: ``nft_gradient="jagg"``: how each timestep's g folds onto its anchors (``fold=`` of
+    #: ``jagg_trajectory``; not a config field: ``benchmarks/nft_jagg.py`` sets "causal").
+    fold: str = "linear"
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.snapshot: tuple[int, ParamSnapshot] | None = None
@@ -204,6 +208,8 @@ class NFTEstimator(Estimator):
             kw["placement"] = "adaptive"
             if c.budget is not None:
                 kw["budget"] = c.budget
+        if self.fold != "linear":
+            kw["fold"] = self.fold
         if on_policy:
             kw["values"] = v_old
         v, stats = jagg_trajectory(ctx.policy, xt, ts.to(x0.device), **kw)
