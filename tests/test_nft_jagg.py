@@ -22,7 +22,7 @@ from jagg_autograd import jagg_trajectory
 from jagg_autograd.estimators import Minibatch
 from jagg_autograd.grpo import group_advantages
 from jagg_autograd.nft import draw_timesteps, nft_loss, nft_noised, nft_timesteps_loss
-from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
+from jagg_autograd.trainer import GRPOConfig, GRPOTrainer, train
 
 F64 = torch.float64
 EXAMPLES = 10 if os.environ.get("CI") else 40
@@ -224,3 +224,30 @@ def test_trainer_jagg_gradient_cosine_to_exact():
     """Measured 0.99x per batch on the digits DiT (benchmarks/nft_jagg.py); a loose bound."""
     cos = nft_grad_cosines(3)
     assert min(cos) >= 0.95, cos
+
+
+def test_trainer_jagg_loss_value_equals_exact_and_off_policy_runs():
+    """Same timesteps and noise: the JAGG path's loss value is the loop's (forward values
+    are exact); after an optimizer step (off-policy) it recomputes instead of reusing
+    values, and the KL reference (beta > 0) is in the loss."""
+    kw = dict(DIGITS, mode="nft", nft_noise="shared", beta=0.01)
+    ex = GRPOTrainer(GRPOConfig(**kw))
+    jg = GRPOTrainer(GRPOConfig(**kw, nft_gradient="jagg"))
+    jg.policy.load_state_dict(ex.policy.state_dict())
+    g = torch.Generator().manual_seed(0)
+    prompts, groups = ex._group(ex.task.sample_prompts(4, g))
+    traj = ex._sample(prompts, g)
+    mb = Minibatch(traj, group_advantages(ex.task.reward(traj.latents[-1], prompts), groups), None)
+    res = {}
+    for name, tr in (("exact", ex), ("jagg", jg)):
+        res[name] = tr.estimator.loss(tr, mb, generator=torch.Generator().manual_seed(1),
+                                      on_policy=True, inline_backward=True)  # fmt: skip
+    assert float(res["jagg"].loss) == pytest.approx(float(res["exact"].loss), rel=1e-5)
+    assert "kl" in res["jagg"].infos[0]
+    assert res["jagg"].grad_cost() == (4 * 16, 4)  # anchors 0, 3, 6, 8 of 9, B = 16
+    assert res["exact"].grad_cost() == (9 * 16, 9)
+    log = train(GRPOConfig(**dict(kw, steps=1, prompts_per_step=2), nft_gradient="jagg",
+                           optimizer_steps_per_rollout=2))  # fmt: skip
+    assert log["steps"][0]["paths"] == ["nft+values+deferred", "nft+deferred"]
+    with pytest.raises(ValueError, match="nft_timesteps >= 2"):
+        GRPOConfig(mode="nft", nft_noise="shared", nft_gradient="jagg", nft_timesteps=1).validate()

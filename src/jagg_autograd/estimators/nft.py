@@ -83,6 +83,11 @@ class NFTEstimator(Estimator):
                 f"nft_timesteps must be an int in [1, num_steps={c.num_steps}], "
                 f"got {c.nft_timesteps!r}"
             )
+        if c.nft_gradient == "jagg" and self.num_train_steps() < 2:
+            raise ValueError(
+                "nft_gradient='jagg' needs nft_timesteps >= 2 (one timestep is its own "
+                f"anchor: use nft_gradient='exact'), got {self.num_train_steps()}"
+            )
         if c.nft_gradient == "jagg" and c.nft_noise != "shared":
             raise ValueError(
                 "nft_gradient='jagg' needs nft_noise='shared' (got nft_noise="
@@ -148,8 +153,9 @@ class NFTEstimator(Estimator):
         if c.nft_noise == "shared":  # one eps per sample, drawn after the timesteps
             shared = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
         if c.nft_gradient == "jagg":
-            return self.jagg_loss(ctx, mb, ts, shared, v_old_of, on_policy=on_policy,
-                                  scale=scale, inline_backward=inline_backward)  # fmt: skip
+            return self.jagg_loss(ctx, mb, ts, shared, None if snap is None else snap[1],
+                                  on_policy=on_policy, scale=scale,
+                                  inline_backward=inline_backward)  # fmt: skip
         losses, infos, bw = [], [], 0.0
         for j in range(n):
             t = ts[j].to(device=x0.device, dtype=x0.dtype)
@@ -176,7 +182,7 @@ class NFTEstimator(Estimator):
         mb: Minibatch,
         ts: torch.Tensor,
         eps: torch.Tensor,
-        v_old_of: Any,
+        snap: ParamSnapshot | None,
         *,
         on_policy: bool,
         scale: float,
@@ -187,21 +193,20 @@ class NFTEstimator(Estimator):
         x0, B = traj.latents[-1], traj.batch_size
         # Sorted per sample (sigma descending, as the sampler runs): strictly monotone,
         # the draw being K distinct steps.
-        ts = ts.sort(dim=0, descending=True).values
+        ts = ts.sort(dim=0, descending=True).values.to(x0.device)
         xt = nft_noised(x0, ts, eps)
-        tm = ts.to(device=x0.device, dtype=x0.dtype)
-        # The old policy's velocities, no grad, one timestep's batch per call (their loop's
-        # calls): on-policy they are the trained model's values.
-        v_old = torch.stack([v_old_of(xt[j], tm[j]) for j in range(xt.shape[0])])
+        # The old policy's velocities without grad, batched as ``batching`` / ``chunk_size``
+        # say: on-policy they are the trained model's values.
+        if on_policy or snap is None:
+            v_old = self.velocities(ctx.policy, xt, ts, traj.cond)
+        else:
+            v_old = snap.call(self.velocities, ctx.policy, xt, ts, traj.cond)
         v_ref = None
         if ctx.reference is not None:  # without grad, once per minibatch
-            with torch.no_grad():
-                v_ref = torch.stack(
-                    [ctx.reference(xt[j], tm[j], **traj.cond) for j in range(xt.shape[0])]
-                )
+            v_ref = self.velocities(ctx.reference, xt, ts, traj.cond)
         kw: dict[str, Any] = {
-            "window": c.window, "shared_anchors": c.shared_anchors, "cond": traj.cond,
-            "batching": c.batching, "chunk_size": c.chunk_size, "deferred": True,
+            "window": min(c.window, xt.shape[0]), "shared_anchors": c.shared_anchors,
+            "cond": traj.cond, "batching": c.batching, "chunk_size": c.chunk_size, "deferred": True,
             "params": ctx.params, "return_stats": True,
         }  # fmt: skip
         if c.placement == "adaptive":
@@ -212,7 +217,7 @@ class NFTEstimator(Estimator):
             kw["fold"] = self.fold
         if on_policy:
             kw["values"] = v_old
-        v, stats = jagg_trajectory(ctx.policy, xt, ts.to(x0.device), **kw)
+        v, stats = jagg_trajectory(ctx.policy, xt, ts, **kw)
         loss, kl = nft_timesteps_loss(
             v, v_old, xt, x0, ts, mb.adv, beta=c.nft_beta, adv_clip_max=c.adv_clip_max,
             v_ref=v_ref, kl_beta=c.beta,
@@ -230,6 +235,17 @@ class NFTEstimator(Estimator):
             loss.float() if done else loss, [info] * xt.shape[0], path, traj.num_steps * B,
             stats=stats, backward_done=done, backward_seconds=bw,
         )  # fmt: skip
+
+    def velocities(
+        self, model: Any, xt: torch.Tensor, ts: torch.Tensor, cond: dict[str, Any]
+    ) -> torch.Tensor:
+        """``model`` at every ``(K, B)`` input without grad, ``(K, B, *S)``: the library's
+        value path (stacked: ``chunk_size`` samples per call, one call by default)."""
+        with torch.no_grad():
+            return jagg_trajectory(
+                model, xt, ts, window=2, cond=cond, batching=self.config.batching,
+                chunk_size=self.config.chunk_size,
+            )  # fmt: skip
 
     def timestep_loss(
         self,
