@@ -346,3 +346,122 @@ def test_bf16_gradient_round_off():
     assert errs["fp32", "per_step"] <= 1e-6 and errs["bf16", "per_step"] <= 1e-6
     assert errs["fp32", "stacked"] <= 1e-5
     assert 1e-5 < errs["bf16", "stacked"] < 5e-2
+
+
+# ------------------------------------------------------------------------ DiffusionNFT
+
+
+def nft_their_loop(velocity, x0, sigmas, adv, config, cond, reference, generator):
+    """train_nft_sd3.py's timestep loop written out, with ONE noise per sample (shared):
+    old forward, trained forward, reference forward, the adaptive-weighted x0 losses, the
+    KL, a backward per timestep divided by K (GA = 1)."""
+    K = sigmas.shape[1]
+    noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype)  # shared
+    for j in range(K):
+        t = sigmas[:, j]
+        t_expanded = t.view(-1, *([1] * (len(x0.shape) - 1)))
+        xt = (1 - t_expanded) * x0 + t_expanded * noise
+        with torch.no_grad():
+            old_prediction = velocity(xt, t, **cond).detach()
+        forward_prediction = velocity(xt, t, **cond)
+        with torch.no_grad():
+            ref_forward_prediction = reference(xt, t, **cond)
+        r = torch.clamp(
+            (torch.clamp(adv, -config.train.adv_clip_max, config.train.adv_clip_max)
+             / config.train.adv_clip_max) / 2.0 + 0.5, 0, 1,
+        )  # fmt: skip
+        positive_prediction = config.beta * forward_prediction + (1 - config.beta) * old_prediction
+        implicit_negative_prediction = (1.0 + config.beta) * old_prediction - (
+            config.beta * forward_prediction
+        )
+        dims = tuple(range(1, x0.ndim))
+        x0_prediction = xt - t_expanded * positive_prediction
+        with torch.no_grad():
+            wf = torch.abs(x0_prediction.double() - x0.double()).mean(dim=dims, keepdim=True)
+            wf = wf.clip(min=0.00001)
+        positive_loss = ((x0_prediction - x0) ** 2 / wf).mean(dim=dims)
+        negative_x0_prediction = xt - t_expanded * implicit_negative_prediction
+        with torch.no_grad():
+            nwf = torch.abs(negative_x0_prediction.double() - x0.double()).mean(dim=dims,
+                                                                               keepdim=True)
+            nwf = nwf.clip(min=0.00001)
+        negative_loss = ((negative_x0_prediction - x0) ** 2 / nwf).mean(dim=dims)
+        ori_policy_loss = r * positive_loss / config.beta + (1.0 - r) * negative_loss / config.beta
+        policy_loss = (ori_policy_loss * config.train.adv_clip_max).mean()
+        kl_div_loss = ((forward_prediction - ref_forward_prediction) ** 2).mean(dim=dims)
+        loss = policy_loss + config.train.beta * torch.mean(kl_div_loss)
+        (loss / K).backward()
+
+
+def _nft_config():
+    return SimpleNamespace(beta=0.7, train=SimpleNamespace(adv_clip_max=5.0, beta=0.05))
+
+
+def _nft_sigmas(B: int, K: int, g: torch.Generator, dtype) -> torch.Tensor:
+    grid = torch.linspace(1.0, 0.1, 10, dtype=dtype)
+    return torch.stack([grid[torch.randperm(10, generator=g)[:K]] for _ in range(B)])  # (B, K)
+
+
+def _run_both(velocity, params, x0, sigmas, adv, cond, reference, **kw):
+    cfg = _nft_config()
+    for p in params:
+        p.grad = None
+    nft_their_loop(velocity, x0, sigmas, adv, cfg, cond, reference, torch.Generator().manual_seed(5))
+    want = _flat_grads(params)
+    for p in params:
+        p.grad = None
+    ns = doc_blocks("nft_minibatch")
+    loss = ns["nft_minibatch"](velocity, x0, sigmas, adv, cfg, cond=cond, reference=reference,
+                               generator=torch.Generator().manual_seed(5), **kw)  # fmt: skip
+    loss.backward()
+    return _flat_grads(params), want
+
+
+def test_nft_port_exact_equals_their_loop_on_sd3_lora():
+    """The ported call in mode="exact" on a tiny SD3 transformer with LoRA (shared noise)."""
+    dtype = torch.float64
+    tr = make_transformer(dtype)
+    velocity = SD3Velocity(tr)
+    params = [p for p in tr.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    B, K = 3, 4
+    x0 = torch.randn(B, 4, 8, 8, generator=g, dtype=dtype)
+    cond = {"encoder_hidden_states": torch.randn(B, 6, 16, generator=g, dtype=dtype),
+            "pooled_projections": torch.randn(B, 8, generator=g, dtype=dtype)}  # fmt: skip
+    adv = torch.randn(B, generator=g, dtype=dtype) * 2
+
+    def reference(x, t, **c):
+        with adapters_disabled(tr):
+            return velocity(x, t, **c)
+
+    got, want = _run_both(velocity, params, x0, _nft_sigmas(B, K, g, dtype), adv, cond,
+                          reference, mode="exact")  # fmt: skip
+    assert float(want.norm()) > 0
+    assert float((got - want).norm() / want.norm()) < 1e-10
+
+
+def test_nft_port_jagg_equals_their_loop_on_an_affine_model():
+    """mode="jagg" (values, deferred, 2-4 anchors of K = 9): exact for a model affine in
+    (z, t) with shared noise."""
+    dtype = torch.float64
+    g = torch.Generator().manual_seed(4)
+
+    class Affine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(12, 12, dtype=dtype)
+            self.b = torch.nn.Parameter(torch.randn(12, generator=g, dtype=dtype))
+
+        def forward(self, x, t, y):
+            return (self.lin(x.flatten(1)) + t[:, None] * self.b + y).view_as(x)
+
+    model, ref = Affine(), Affine().requires_grad_(False)
+    params = list(model.parameters())
+    B, K = 4, 9
+    x0 = torch.randn(B, 3, 4, generator=g, dtype=dtype)
+    cond = {"y": torch.randn(B, 12, generator=g, dtype=dtype)}
+    adv = torch.randn(B, generator=g, dtype=dtype) * 2
+    sig = _nft_sigmas(B, K, g, dtype)
+    for window in (3, 4, 5, 9):
+        got, want = _run_both(model, params, x0, sig, adv, cond, ref, mode="jagg", window=window)
+        assert float((got - want).abs().max()) <= 1e-10 * (1 + float(want.abs().max())), window

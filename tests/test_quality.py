@@ -226,7 +226,7 @@ def test_quick_json(quick_run: Path):
         # The eager path keeps every window's graph; the deferred one the per-step loop's.
         assert agg["uniform"]["peak_saved_rel"] < agg["eager"]["peak_saved_rel"]
         for n, a in agg.items():
-            if n != "nft":
+            if not n.startswith("nft"):  # NFT has no probe (not a GRPO gradient)
                 assert -1.0 <= a["probe_cosine"]["mean"] <= 1.0
             assert a["train_seconds_ratio"]["mean"] > 0
             assert a["ref"] == ("exact_fg2" if n.endswith("_fg2") else "exact")

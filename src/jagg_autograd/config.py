@@ -19,6 +19,7 @@ import torch
 
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
+from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
 from jagg_autograd.rollout import STEP_SELECTIONS
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
 from jagg_autograd.tasks import GRPOTask, task_factory, task_names
@@ -118,8 +119,18 @@ class GRPOConfig:
                           "off: one batched call and backward (the oracle)")  # fmt: skip
     nft_beta: float = _f(1.0, "gradient", "--mode nft: DiffusionNFT's beta, the step of the "
                          "implicit policies v+ = beta v + (1 - beta) v_old")  # fmt: skip
-    nft_timesteps: int = _f(4, "gradient", "--mode nft: training timesteps drawn per sample "
-                            "and minibatch")  # fmt: skip
+    nft_timesteps: int | None = _f(None, "gradient", "--mode nft: training timesteps drawn "
+                                   "per sample and minibatch (None: DiffusionNFT's "
+                                   "int(0.99 num_steps), 9 of T = 10; before issue 20 the "
+                                   "default was 4)")  # fmt: skip
+    nft_noise: str = _f("fresh", "gradient", "--mode nft: fresh (DiffusionNFT's: a new noise "
+                        "per timestep) or shared (one noise per sample for all its timesteps: "
+                        "its x_t on one segment, JAGG's exact case)",
+                        choices=NFT_NOISES)  # fmt: skip
+    nft_gradient: str = _f("exact", "gradient", "--mode nft: exact (one forward + backward "
+                           "per timestep, their loop) or jagg (one jagg_trajectory over the "
+                           "sample's sorted timesteps: --window / --placement / --budget; "
+                           "needs --nft-noise shared)", choices=NFT_GRADIENTS)  # fmt: skip
     track_memory: bool = _f(False, "run", "log peak_saved_bytes, the peak of live "
                             "tensors saved for backward in the training phase (hooks cost "
                             "time)")  # fmt: skip
@@ -307,7 +318,7 @@ _FIELD_META = {f.name: f.metadata for f in dataclasses.fields(GRPOConfig)}
 _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_steps_per_rollout",
             "gradient_accumulation_steps", "num_inner_epochs", "lora_rank")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
-            "timestep_selection", "sde_type")  # fmt: skip
+            "timestep_selection", "sde_type", "nft_noise", "nft_gradient")  # fmt: skip
 
 _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (_POS_INT, lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
@@ -336,8 +347,8 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("max_grad_norm",), _optional(lambda v, c: _is_real(v) and v > 0), "None or > 0"),
     (("timestep_fraction",), lambda v, c: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
     (("nft_beta",), lambda v, c: _is_real(v) and v > 0, "a finite number > 0"),
-    (("nft_timesteps",), lambda v, c: _is_int(v) and v >= 1,
-     "an int in [1, num_steps={c.num_steps}]"),
+    (("nft_timesteps",), _optional(lambda v, c: _is_int(v) and v >= 1),
+     "None or an int in [1, num_steps={c.num_steps}]"),
     (("budget",), _optional(lambda v, c: _is_real(v) and v > 0), "None or a finite number > 0"),
     (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),

@@ -32,6 +32,14 @@ stored snapshot), the training loop ("Loop over timesteps for this micro-batch")
   epoch as ``old <- decay old + (1 - decay) new``); here ``decay = 0`` (their
   ``decay_type=0``): ``v_old`` is the policy at the rollout's parameters.
 
+**JAGG over a sample's timesteps** (:func:`nft_noised`, :func:`nft_timesteps_loss`): with
+one noise ``eps`` per sample for all its K timesteps ("shared" noise) the inputs
+``x_t = (1 - t) x_0 + t eps`` lie on one straight segment in ``t``, JAGG's exactness family
+(a): for a model affine in ``(z, t)`` the JAGG gradient of the K-timestep loss through one
+``jagg_trajectory`` call over the sorted timesteps equals the per-timestep loop's.  With
+fresh noise per timestep (theirs) the inputs jump between timesteps and JAGG is only an
+approximation.
+
 Their sampler is a deterministic DPM2 solver without CFG (``config/nft.py``:
 ``sample.solver="dpm2"``, ``deterministic=True``, ``guidance_scale=1.0``); the trainer
 keeps its own rollout (the task's sampler and model, CFG included if the task has it).
@@ -44,7 +52,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParamSnapshot", "draw_timesteps", "nft_loss", "optimality_probability"]
+__all__ = [
+    "NFT_GRADIENTS",
+    "NFT_NOISES",
+    "ParamSnapshot",
+    "draw_timesteps",
+    "nft_loss",
+    "nft_noised",
+    "nft_timesteps_loss",
+    "optimality_probability",
+]
+
+#: ``nft_noise``: DiffusionNFT's fresh noise per timestep, or one noise per sample.
+NFT_NOISES = ("fresh", "shared")
+#: ``nft_gradient``: one forward + backward per timestep (their loop), or one JAGG call.
+NFT_GRADIENTS = ("exact", "jagg")
 
 
 def optimality_probability(adv: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
@@ -84,6 +106,50 @@ def nft_loss(
     neg = _adaptive_x0_loss(xt - te * v_minus, x0)
     r = optimality_probability(adv.to(pos.dtype), adv_clip_max)
     return (adv_clip_max * (r * pos + (1.0 - r) * neg) / beta).mean()
+
+
+def nft_noised(x0: torch.Tensor, ts: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``x_t = (1 - t) x_0 + t eps`` at K timesteps per sample: ``(K, B, *S)``.
+
+    ``x0``: ``(B, *S)``; ``ts``: ``(K, B)`` sigmas; ``eps``: ``(B, *S)`` (shared noise: one
+    segment per sample) or ``(K, B, *S)`` (fresh noise per timestep).  In ``x0``'s dtype.
+    """
+    te = ts.to(x0.dtype).view(*ts.shape, *([1] * (x0.dim() - 1)))
+    return (1 - te) * x0 + te * eps.to(x0.dtype)
+
+
+def nft_timesteps_loss(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    xt: torch.Tensor,
+    x0: torch.Tensor,
+    ts: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    beta: float,
+    adv_clip_max: float,
+    v_ref: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mean over K timesteps of :func:`nft_loss` (plus ``kl_beta`` times their KL to
+    the reference, ``mean_b mean((v - v_ref)^2)``), as their loop accumulates it.
+
+    ``v``, ``v_old``, ``xt``, ``v_ref``: ``(K, B, *S)``; ``x0``: ``(B, *S)``; ``ts``:
+    ``(K, B)``; ``adv``: ``(B,)``.  Returns the loss and the mean KL (None without
+    ``v_ref``).
+    """
+    K = v.shape[0]
+    losses, kls = [], []
+    for j in range(K):
+        t = ts[j].to(device=x0.device, dtype=x0.dtype)
+        loss_j = nft_loss(v[j], v_old[j], xt[j], x0, t, adv, beta=beta, adv_clip_max=adv_clip_max)
+        if v_ref is not None:
+            kl = ((v[j] - v_ref[j].detach()) ** 2).flatten(1).mean(1).mean()
+            loss_j = loss_j + kl_beta * kl
+            kls.append(kl.detach())
+        losses.append(loss_j)
+    kl_mean = torch.stack(kls).mean() if kls else None
+    return torch.stack(losses).mean(), kl_mean
 
 
 def draw_timesteps(

@@ -13,7 +13,7 @@ choices, the trainer and the run summary pick it up.
 ``router``     JAGG + the cosine router (non-linear windows get the exact gradient)
 ``subsample``  DanceGRPO: the exact gradient of random steps per sample
 ``mixgrpo``    MixGRPO: a sliding SDE window, trained exactly
-``nft``        DiffusionNFT's forward-process loss (no log-probs)
+``nft``        DiffusionNFT's forward-process loss: their loop, or one JAGG call (shared noise)
 =============  ==========================================================================
 """
 
