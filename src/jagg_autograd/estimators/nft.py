@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from jagg_autograd.data_parallel import draw_randn
 from jagg_autograd.estimators.base import (
     Estimator,
     LossContext,
@@ -87,7 +88,7 @@ class NFTEstimator(Estimator):
         losses, infos, bw = [], [], 0.0
         for j in range(n):
             t = ts[j].to(device=x0.device, dtype=x0.dtype)
-            eps = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
+            eps = draw_randn(x0.shape, generator, dtype=torch.float32).to(x0)
             te = t.view(-1, *([1] * (x0.dim() - 1)))
             xt = (1 - te) * x0 + te * eps
             v_old = v_old_of(xt, t)
