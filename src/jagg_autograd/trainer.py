@@ -310,6 +310,7 @@ class GRPOTrainer:
         self.local_minibatch = self.layout.local_minibatch
         self.log["sigmas"] = [round(x, 6) for x in self.sigmas.tolist()]
         self.log["num_trainable_parameters"] = sum(p.numel() for p in self.params)
+        self.log["world_size"] = self.world_size
 
     # ------------------------------------------------------------------ sampling
 
@@ -656,6 +657,7 @@ class GRPOTrainer:
         log["config"] = self.log["config"]
         log["task"] = self.log["task"]
         log["out"] = self.log["out"]
+        log["world_size"] = self.world_size
         log["status"], log["eval"], log["summary"] = "running", {}, ""
         log.pop("error", None)
         log.pop("grid", None)
@@ -735,7 +737,12 @@ def train(
     trainer = GRPOTrainer(config, task=task)
     try:
         with _stop_on_signals(trainer):
-            return _run(trainer, on_step)
+            log = _run(trainer, on_step)
+        if trainer.world_size > 1:
+            # Leave together: a rank tearing gloo down while its peer is still finishing
+            # was seen to abort ("terminate called without an active exception").
+            reduce_scalars({"done": 1.0}, "sum")
+        return log
     finally:
         if trainer.world_size > 1:
             destroy_process_group()
