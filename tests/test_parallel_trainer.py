@@ -97,3 +97,41 @@ def test_parallel_benchmark_quick(tmp_path):
     ck = data["checkpoint"]
     assert ck["sync_save_s"] > 0 and ck["async_blocking_s"] > 0 and ck["checkpoint_bytes"] > 0
     assert all(v > 0 for n in ("1", "2") for v in data["scaling"]["in_step_s"][n])
+
+
+def test_draw_sites_take_a_sharded_generator():
+    """Every per-sample draw site of the library gives, with rank r's ShardedGenerator, rank
+    r's rows of the single-process draw (no process group needed): the SDE step's noise,
+    random trained steps (DanceGRPO / subsample), DiffusionNFT's timesteps and noise."""
+    from jagg_autograd.data_parallel import SampleLayout, ShardedGenerator, draw_randn
+    from jagg_autograd.grpo import sde_step_with_logprob
+    from jagg_autograd.nft import draw_timesteps
+    from jagg_autograd.rollout import draw_random_steps
+
+    B, W = 6, 2
+    layouts = [SampleLayout(B, B, r, W) for r in range(W)]
+
+    def sharded(lay: SampleLayout) -> ShardedGenerator:
+        return ShardedGenerator(torch.Generator().manual_seed(5), lay)
+
+    full = draw_random_steps(10, B, 3, torch.Generator().manual_seed(5))
+    parts = [draw_random_steps(10, B // W, 3, sharded(lay)) for lay in layouts]
+    assert torch.equal(torch.cat(parts, dim=1), full)
+
+    sig = torch.linspace(1, 0, 11)
+    full = draw_timesteps(sig, B, 4, torch.Generator().manual_seed(5))
+    parts = [draw_timesteps(sig, B // W, 4, sharded(lay)) for lay in layouts]
+    assert torch.equal(torch.cat(parts, dim=1), full)
+
+    full = draw_randn((B, 3), torch.Generator().manual_seed(5))
+    assert torch.equal(torch.cat([draw_randn((B // W, 3), sharded(lay)) for lay in layouts]), full)
+
+    v, x = torch.randn(B, 4), torch.randn(B, 4)
+    want = sde_step_with_logprob(v, x, 0.8, 0.7, sigma_max=0.9,
+                                 generator=torch.Generator().manual_seed(5))[0]  # fmt: skip
+    got = [sde_step_with_logprob(v[lay.take(torch.arange(B))], x[lay.take(torch.arange(B))],
+                                 0.8, 0.7, sigma_max=0.9, generator=sharded(lay))[0]
+           for lay in layouts]  # fmt: skip
+    assert torch.allclose(torch.cat(got), want, rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        draw_randn((2,), 0)  # type: ignore[arg-type]

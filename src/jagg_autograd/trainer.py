@@ -22,10 +22,18 @@ training noise stream nor the timings.  The log, its files and the summary are
 :mod:`jagg_autograd.runlog`'s.  A non-finite loss or gradient norm stops the run with a
 :class:`TrainingDivergedError` naming the step, before the optimizer step.
 
-A checkpoint's state: ``model`` (``params``), ``optimizer``, ``generator`` (prompts,
-rollout noise and the estimator's draws, in that order), ``estimator`` (its own state,
-e.g. DiffusionNFT's snapshot), ``step_index``, ``rollout_seconds`` / ``train_seconds``
-and ``log``.
+Checkpoints (``save_every``; :mod:`jagg_autograd.checkpoint`, written by rank 0 in the
+background) hold the trainable tensors by name, the AdamW state, ``generator`` (prompts,
+rollout noise and the estimator's draws, in that order), the global RNG states, the step
+index, the log (with the timing totals) and the first evaluation's grid pictures.  The
+estimators keep no state across GRPO steps (DiffusionNFT's snapshot is retaken at each
+rollout), so nothing else is needed for ``resume_from`` to continue bit for bit.
+
+Several processes (``torchrun`` / ``accelerate launch``): each rank runs this trainer on
+its rows of every minibatch (:class:`~jagg_autograd.data_parallel.SampleLayout`), drawing
+them from the one generator (:class:`~jagg_autograd.data_parallel.ShardedGenerator`);
+rewards are all-gathered before the group statistics, gradients averaged once per
+optimizer step, the evaluation sharded and gathered, log rows reduced; rank 0 writes.
 """
 
 from __future__ import annotations
