@@ -96,7 +96,7 @@ def test_parallel_benchmark_quick(tmp_path):
     data = json.loads(out.read_text())
     ck = data["checkpoint"]
     assert ck["sync_save_s"] > 0 and ck["async_blocking_s"] > 0 and ck["checkpoint_bytes"] > 0
-    assert all(v > 0 for n in ("1", "2") for v in data["scaling"]["in_step_s"][n])
+    assert all(v > 0 for n in ("1", "2") for v in data["scaling"]["per_step_cpu_s"][n])
 
 
 def test_draw_sites_take_a_sharded_generator():
