@@ -23,6 +23,7 @@ from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
 from jagg_autograd.rollout import STEP_SELECTIONS
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
 from jagg_autograd.tasks import GRPOTask, task_factory, task_names
+from jagg_autograd.tracking import REPORT_TO
 from jagg_autograd.window import BATCHINGS
 
 __all__ = [
@@ -208,6 +209,19 @@ class GRPOConfig:
     # processes and ran up to 20x slower than one, while this small model gains little.
     threads: int | None = _f(1, "run", "torch intra-op threads (None: leave torch's)")
     progress: bool = _f(True, "run", "show a progress bar")
+    save_every: int = _f(0, "run", "write <out>/checkpoint-<step>/ every N GRPO steps (0: "
+                         "only at the end and on Ctrl-C; needs --out)")  # fmt: skip
+    keep_checkpoints: int | None = _f(None, "run", "keep only the newest N checkpoints "
+                                      "(None: all)")  # fmt: skip
+    resume_from: str | None = _f(None, "run", "continue a run from a checkpoint folder, a "
+                                 "run folder (its latest checkpoint) or 'latest' (the "
+                                 "latest in --out)")  # fmt: skip
+    report_to: str = _f("none", "run", "experiment tracker of rank 0: none, tensorboard "
+                        "(pip install 'jagg-autograd[tensorboard]') or wandb (WANDB_MODE="
+                        "offline works)", choices=REPORT_TO)  # fmt: skip
+    collective_timeout: float = _f(600.0, "run", "several processes (torchrun): seconds "
+                                   "a collective may wait for a peer before the run stops "
+                                   "with an error (a dead process)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.minibatches is not None:
@@ -318,7 +332,8 @@ _FIELD_META = {f.name: f.metadata for f in dataclasses.fields(GRPOConfig)}
 _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_steps_per_rollout",
             "gradient_accumulation_steps", "num_inner_epochs", "lora_rank")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
-            "timestep_selection", "sde_type", "nft_noise", "nft_gradient")  # fmt: skip
+            "timestep_selection", "sde_type", "nft_noise", "nft_gradient",
+            "report_to")  # fmt: skip
 
 _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (_POS_INT, lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
@@ -360,4 +375,11 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("eval_per_digit",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
     (("seed",), lambda v, c: _is_int(v), "an int"),
     (("threads",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
+    (("save_every",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
+    (("keep_checkpoints",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
+    (("resume_from",), _optional(lambda v, c: isinstance(v, str) and v != ""),
+     "None, 'latest' or a folder"),
+    (("resume_from",), lambda v, c: v != "latest" or c.out is not None,
+     "a folder when out is None ('latest' is looked up in --out)"),
+    (("collective_timeout",), lambda v, c: _is_real(v) and v > 0, "a finite number > 0"),
 ]  # fmt: skip

@@ -43,7 +43,10 @@ __all__ = [
     "SampleLayout",
     "ShardedGenerator",
     "all_gather_samples",
+    "all_reduce_mean_",
     "destroy_process_group",
+    "draw_rand",
+    "draw_randn",
     "get_rank",
     "get_world_size",
     "init_process_group_from_env",
@@ -280,6 +283,46 @@ class ShardedGenerator:
         return self._draw(torch.rand, shape, dtype, device)
 
 
+def draw_randn(
+    shape: Sequence[int], generator: torch.Generator | ShardedGenerator | None, *,
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``torch.randn(shape)`` from a ``torch.Generator`` (drawn on the generator's device,
+    then moved to ``device``, as diffusers' ``randn_tensor``), a :class:`ShardedGenerator`
+    (this rank's rows of the global draw) or None (the global RNG).  Every per-sample draw
+    site of the library goes through this (or :func:`draw_rand`)."""
+    if isinstance(generator, ShardedGenerator):
+        return generator.randn(shape, dtype=dtype, device=device)
+    if generator is None:
+        return torch.randn(tuple(shape), dtype=dtype, device=device)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or a ShardedGenerator, got {type(generator)}"
+        )
+    out = torch.randn(tuple(shape), generator=generator, dtype=dtype, device=generator.device)
+    return out.to(device) if device is not None else out
+
+
+def draw_rand(
+    shape: Sequence[int], generator: torch.Generator | ShardedGenerator | None, *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """``torch.rand(shape)`` on the CPU from a generator, a :class:`ShardedGenerator` or
+    None (see :func:`draw_randn`)."""
+    if isinstance(generator, ShardedGenerator):
+        return generator.rand(shape, dtype=dtype)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or a ShardedGenerator, got {type(generator)}"
+        )
+    return torch.rand(tuple(shape), generator=generator, dtype=dtype)
+
+
+def is_generator(generator: object) -> bool:
+    """A ``torch.Generator`` or a :class:`ShardedGenerator` (what the draw sites accept)."""
+    return isinstance(generator, (torch.Generator, ShardedGenerator))
+
+
 # ------------------------------------------------------------------------------ collectives
 
 
@@ -320,6 +363,28 @@ def all_gather_samples(local: torch.Tensor, layout: SampleLayout) -> torch.Tenso
     for r, (part, n) in enumerate(zip(parts, counts)):
         out[layout.indices(r).to(out.device)] = part[:n]
     return out
+
+
+def all_reduce_mean_(tensors: Sequence[torch.Tensor]) -> None:
+    """Average ``tensors`` over ranks in place with **one** collective (flattened into one
+    buffer per dtype and device, like one DDP bucket): the gradient sync of an optimizer
+    step.  Every rank must pass tensors of the same shapes in the same order.  No-op
+    without a group."""
+    world = get_world_size()
+    if world == 1 or not tensors:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        _collective("all_reduce of the gradients", lambda flat=flat: dist.all_reduce(flat))
+        flat /= world
+        offset = 0
+        for t in ts:
+            n = t.numel()
+            t.detach().copy_(flat[offset : offset + n].view_as(t))
+            offset += n
 
 
 _OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,

@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -199,18 +200,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(
             f"\njagg-demo: interrupted after {len(done)} of {cfg.steps} steps; the partial log "
-            f"(status 'interrupted', every finished step) is in {cfg.out}/log.json",
+            f"(status 'interrupted', every finished step) is in {cfg.out}/log.json"
+            + (f"; continue with --resume-from latest --out {cfg.out}" if cfg.save_every else ""),
             file=sys.stderr,
         )
         return 130
-    except (TrainingDivergedError, ValueError) as exc:
+    except (TrainingDivergedError, ValueError, ImportError) as exc:
         print(
             f"jagg-demo: {exc}\n(stopped after {len(done)} finished steps; log in "
             f"{cfg.out}/log.json)",
             file=sys.stderr,
         )
         return 1
-    print(log["summary"])
+    if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 reports
+        print(log["summary"])
     return 0
 
 

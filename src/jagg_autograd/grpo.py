@@ -172,17 +172,15 @@ def _as_batch_view(
 
 def _draw_noise(
     shape: torch.Size,
-    generator: torch.Generator | None,
+    generator: object,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    if generator is None:
-        return torch.randn(shape, dtype=dtype, device=device)
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    # Like diffusers' randn_tensor: a CPU generator drives a GPU sample reproducibly.
-    noise = torch.randn(shape, generator=generator, dtype=dtype, device=generator.device)
-    return noise.to(device)
+    # Like diffusers' randn_tensor: a CPU generator drives a GPU sample reproducibly.  A
+    # ShardedGenerator (data_parallel) gives this rank's rows of the global draw.
+    from jagg_autograd.data_parallel import draw_randn
+
+    return draw_randn(shape, generator, dtype=dtype, device=device)
 
 
 def _gaussian_log_prob(
@@ -230,8 +228,13 @@ def _sde_step_inputs(
                 f"sigma_max must satisfy 0 <= sigma_max < 1 (it is the schedule's second "
                 f"entry, sigmas[1]), got {sigma_max}"
             )
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator is not None:
+        from jagg_autograd.data_parallel import is_generator
+
+        if not is_generator(generator):
+            raise TypeError(
+                f"generator must be a torch.Generator, got {type(generator).__name__}"
+            )
     return (*_step_views(velocity, sample, sigma, sigma_next, dtype), eta)
 
 

@@ -211,7 +211,9 @@ def draw_random_steps(
 ) -> torch.Tensor:
     """``(num_train, B)`` distinct random steps per sample, in draw order (DanceGRPO's
     per-sample ``randperm``, truncated): one ``rand((B, T))`` from ``generator``."""
-    ks = torch.argsort(torch.rand((batch, num_steps), generator=generator), dim=1)
+    from jagg_autograd.data_parallel import draw_rand  # a ShardedGenerator: this rank's rows
+
+    ks = torch.argsort(draw_rand((batch, num_steps), generator), dim=1)
     return ks[:, :num_train].T.contiguous()
 
 

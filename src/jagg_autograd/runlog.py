@@ -65,8 +65,11 @@ class RunLog:
             "out": str(self.out) if self.out is not None else None,
         }
 
-    def prepare_out(self) -> None:
-        """Check ``out`` before any model is built (a bad folder fails at once)."""
+    def prepare_out(self, keep: bool = False) -> None:
+        """Check ``out`` before any model is built (a bad folder fails at once).
+
+        ``keep``: a resumed run, whose folder's log and pictures stay until the
+        checkpoint is loaded (the folder is only checked for writing)."""
         if self.out is None:
             return
         try:
@@ -74,6 +77,11 @@ class RunLog:
             for name in ("log.json", "reward.png", "grid.png"):
                 if (self.out / name).is_dir():
                     raise OSError(f"{self.out / name} is a directory")
+            if keep:
+                probe = self.out / f".write-check.{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
+                return
             for name in ("reward.png", "grid.png"):
                 stale = self.out / name
                 if stale.exists():
@@ -87,6 +95,10 @@ class RunLog:
         if self.out is not None:
             self.log["total_seconds"] = time.perf_counter() - self._t_start
             write_json_atomic(self.out / "log.json", self.log)
+
+    def resume_clock(self, total_seconds: float) -> None:
+        """Continue ``total_seconds`` from a resumed run's."""
+        self._t_start = time.perf_counter() - total_seconds
 
     def totals(self, rollout_seconds: float, train_seconds: float) -> None:
         self.log["rollout_seconds"] = rollout_seconds

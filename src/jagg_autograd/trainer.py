@@ -22,16 +22,28 @@ training noise stream nor the timings.  The log, its files and the summary are
 :mod:`jagg_autograd.runlog`'s.  A non-finite loss or gradient norm stops the run with a
 :class:`TrainingDivergedError` naming the step, before the optimizer step.
 
-A checkpoint's state: ``model`` (``params``), ``optimizer``, ``generator`` (prompts,
-rollout noise and the estimator's draws, in that order), ``estimator`` (its own state,
-e.g. DiffusionNFT's snapshot), ``step_index``, ``rollout_seconds`` / ``train_seconds``
-and ``log``.
+Checkpoints (``save_every``; :mod:`jagg_autograd.checkpoint`, written by rank 0 in the
+background) hold the trainable tensors by name, the AdamW state, ``generator`` (prompts,
+rollout noise and the estimator's draws, in that order), the global RNG states, the step
+index, the log (with the timing totals) and the first evaluation's grid pictures.  The
+estimators keep no state across GRPO steps (DiffusionNFT's snapshot is retaken at each
+rollout), so nothing else is needed for ``resume_from`` to continue bit for bit.
+
+Several processes (``torchrun`` / ``accelerate launch``): each rank runs this trainer on
+its rows of every minibatch (:class:`~jagg_autograd.data_parallel.SampleLayout`), drawing
+them from the one generator (:class:`~jagg_autograd.data_parallel.ShardedGenerator`);
+rewards are all-gathered before the group statistics, gradients averaged once per
+optimizer step, the evaluation sharded and gathered, log rows reduced; rank 0 writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +51,12 @@ from typing import Any
 
 import torch
 
+from jagg_autograd.checkpoint import (
+    AsyncCheckpointer,
+    check_resume_config,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from jagg_autograd.config import (
     PLACEMENTS,
     PRECISIONS,
@@ -48,6 +66,16 @@ from jagg_autograd.config import (
     TUNING,
     GRPOConfig,
     sigma_schedule,
+)
+from jagg_autograd.data_parallel import (
+    SampleLayout,
+    ShardedGenerator,
+    all_gather_samples,
+    all_reduce_mean_,
+    destroy_process_group,
+    draw_randn,
+    init_process_group_from_env,
+    reduce_scalars,
 )
 from jagg_autograd.diagnostics import compare_grads
 from jagg_autograd.estimators import MODES, ExactEstimator, Minibatch, mix_window_start
@@ -63,6 +91,7 @@ from jagg_autograd.rollout import (
 )
 from jagg_autograd.runlog import RunLog, StepStats, summarize
 from jagg_autograd.tasks import GRPOTask, get_task, task_factory
+from jagg_autograd.tracking import make_tracker
 
 __all__ = [
     "MODES", "PLACEMENTS", "PRECISIONS", "SAMPLERS", "SCHEDULES", "SDE_TYPES",
@@ -106,6 +135,79 @@ def _resolve_task(config: GRPOConfig, name: str) -> GRPOTask:
     return get_task(name, **options)
 
 
+def _dist_device(device: str) -> str | None:
+    """The device to join the process group with: CPU, or each rank's own GPU for
+    ``device="cuda"`` (None: ``cuda:LOCAL_RANK``)."""
+    return None if device == "cuda" else device
+
+
+def _check_world_size(config: GRPOConfig, world: int) -> None:
+    """Refuse what cannot give the single-process run with ``world`` processes."""
+    if world == 1:
+        return
+    if config.mode == "jagg" and config.placement == "adaptive":
+        raise ValueError(
+            f"placement='adaptive' with {world} processes: the anchor budget is placed over "
+            "the batch each process sees, so the run would depend on the number of processes; "
+            "use placement='uniform' (the default) or one process"
+        )
+    if config.mode == "router" and config.jagg_frac is not None:
+        raise ValueError(
+            f"jagg_frac={config.jagg_frac} with {world} processes: the router ranks samples "
+            "within the batch each process sees, so the run would depend on the number of "
+            "processes; use --jagg-frac none (threshold only) or one process"
+        )
+    # The minibatch split (SampleLayout) is checked when the trainer is built.
+    size = config.prompts_per_step * config.group_size // config.num_minibatches
+    SampleLayout(config.prompts_per_step * config.group_size, size, 0, world)
+
+
+def _saved_config(path: Any) -> dict[str, Any]:
+    from jagg_autograd._checkpoint_io import read_state
+
+    state = read_state(path)
+    if state is None:  # pragma: no cover - resolve_checkpoint checked it
+        raise ValueError(f"{path} is not a checkpoint")
+    return dict(state.get("config", {}))
+
+
+def _tracker_values(ev: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation for the tracker: per-category lists as ``{index: value}``."""
+    out: dict[str, Any] = {}
+    for k, v in ev.items():
+        if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
+            out[k] = {str(i): x for i, x in enumerate(v)}
+        else:
+            out[k] = v
+    return out
+
+
+#: How a log row's numbers combine over the ranks (the rest are equal on every rank:
+#: rewards and advantages are global, the gradient norm is the averaged gradient's).
+_ROW_MEAN = ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "anchor_frac")
+_ROW_SUM = ("forward_samples", "grad_samples")
+_ROW_MIN = ("ratio_min",)
+
+
+def _reduce_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A rank's log row combined over the ranks: means of the per-rank means (equal
+    shares), sums of the sample counts, min / max of the ratios, max of the call counts
+    and of the seconds (the slowest rank's)."""
+    row = dict(row)
+    groups = {
+        "mean": [k for k in _ROW_MEAN if k in row],
+        "sum": [k for k in _ROW_SUM if k in row],
+        "min": [k for k in _ROW_MIN if k in row],
+        "max": ["ratio_max", "grad_forward_calls", "backward_calls", "backward_passes",
+                *[k for k in row if k.endswith("_seconds")]],
+    }  # fmt: skip
+    for op, keys in groups.items():
+        got = reduce_scalars({k: row[k] for k in keys if k in row}, op)
+        for k, v in got.items():
+            row[k] = type(row[k])(v) if isinstance(row[k], int) else v
+    return row
+
+
 @dataclass
 class RolloutBatch:
     """One rollout: the prompts, each ``group_size`` times (``rep``), the group ids, and
@@ -115,6 +217,7 @@ class RolloutBatch:
     rep: list[Any]
     groups: torch.Tensor
     trajs: list[Trajectories]
+    local_rep: list[Any] | None = None  # this rank's samples' prompts (None: all of rep)
 
 
 class GRPOTrainer:
@@ -142,18 +245,41 @@ class GRPOTrainer:
         if task_obj is None and task is not None and not isinstance(task, str):
             raise TypeError(f"task must be a GRPOTask or a task name, got {type(task).__name__}")
         config.validate(task_obj)
+        # Several processes (torchrun / accelerate launch): join the group first.
+        self.dist = init_process_group_from_env(
+            device=_dist_device(config.device), timeout_s=config.collective_timeout
+        )
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.is_main = self.rank == 0
+        if self.world_size > 1 and config.device != "cpu":
+            config = dataclasses.replace(config, device=str(self.dist.device))
+        _check_world_size(config, self.world_size)
         self.config = config
-        self.runlog = RunLog(config.task, config.resolved(), config.out)  # run_id, out, ...
+        # Rank 0 alone writes the log, the pictures and the checkpoints.
+        self.runlog = RunLog(config.task, config.resolved(), config.out if self.is_main else None)
         self.log = self.runlog.log
         self.device = resolve_device(config.device)
         self.step_index = 0
         self.rollout_seconds = 0.0
         self.train_seconds = 0.0
-        self.runlog.prepare_out()  # before any model is built: a bad --out fails at once
+        self._stop_requested = False
+        self._checkpointer: AsyncCheckpointer | None = None
+        self._resume_path = None
+        if config.resume_from is not None:  # refused before anything is written or built
+            self._resume_path = resolve_checkpoint(config.resume_from, config.out)
+            check_resume_config(_saved_config(self._resume_path), self.resume_config())
+        # A missing tracker package fails here, on every rank, before any training.
+        self.tracker = make_tracker(config.report_to, log_dir=config.out,
+                                    config=self.log["config"], rank=self.rank)  # fmt: skip
+        # Before any model is built: a bad --out fails at once (a resumed run keeps the
+        # folder's log and pictures until the checkpoint is loaded).
+        self.runlog.prepare_out(keep=self._resume_path is not None)
         self._grid_rows: list[tuple[torch.Tensor, list[str], int]] = []
         try:
             self._build(task_obj)
-            if config.eval_per_digit:
+            if self._resume_path is not None:
+                self._resume()
+            elif config.eval_per_digit:
                 self._record_eval()
         except BaseException as exc:  # the log on disk must not stay "running"
             self.abort(exc)
@@ -186,21 +312,27 @@ class GRPOTrainer:
         # Disjoint from the training noise stream.
         self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
         self.minibatch_size = config.prompts_per_step * config.group_size // config.num_minibatches
+        # This rank's rows of every minibatch (all of them with one process).
+        self.layout = SampleLayout(config.prompts_per_step * config.group_size,
+                                   self.minibatch_size, self.rank, self.world_size)  # fmt: skip
+        self.local_minibatch = self.layout.local_minibatch
         self.log["sigmas"] = [round(x, 6) for x in self.sigmas.tolist()]
         self.log["num_trainable_parameters"] = sum(p.numel() for p in self.params)
+        self.log["world_size"] = self.world_size
 
     # ------------------------------------------------------------------ sampling
 
     def _sample(
         self,
         prompts: Sequence[Any],
-        generator: torch.Generator,
+        generator: torch.Generator | ShardedGenerator,
         *,
         sde_steps: Sequence[int] | None = None,
     ) -> Trajectories:
-        """Trajectories of ``prompts`` (one sample each), noise from ``generator`` on the CPU."""
+        """Trajectories of ``prompts`` (one sample each), noise from ``generator`` on the CPU
+        (a :class:`ShardedGenerator`: this rank's rows of the single-process draws)."""
         shape = (len(prompts), *self.task.latent_shape)
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        noise = draw_randn(shape, generator, dtype=torch.float32).to(self.device)
         return sample_trajectories(
             self.policy,
             noise,
@@ -211,6 +343,13 @@ class GRPOTrainer:
             sde_steps=sde_steps,
             sde_type=self.config.sde_type,
         )
+
+    def sample_generator(self) -> torch.Generator | ShardedGenerator:
+        """The generator of the per-sample draws of training: the trainer's one stream,
+        of which each rank keeps its rows (the generator itself with one process)."""
+        if self.world_size == 1:
+            return self.generator
+        return ShardedGenerator(self.generator, self.layout)
 
     def _group(self, prompts: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
         """Each prompt ``group_size`` times, and the group ids (the prompt's index)."""
@@ -225,8 +364,15 @@ class GRPOTrainer:
         """Held-out reward of the current policy on the fixed evaluation noise."""
         prompts = self.task.eval_prompts()
         g = torch.Generator().manual_seed(self.eval_seed)
-        traj = self._sample(prompts, g, sde_steps=[] if self.config.eval_sampler == "ode" else None)
-        final = traj.latents[-1]
+        sde_steps = [] if self.config.eval_sampler == "ode" else None
+        if self.world_size == 1:
+            final = self._sample(prompts, g, sde_steps=sde_steps).latents[-1]
+        else:  # sharded over the ranks (uneven allowed), gathered in the global order
+            n = len(prompts)
+            lay = SampleLayout(n, n, self.rank, self.world_size, even=False)
+            traj = self._sample(lay.take(list(prompts)), ShardedGenerator(g, lay),
+                                sde_steps=sde_steps)  # fmt: skip
+            final = all_gather_samples(traj.latents[-1].contiguous(), lay)
         r = self.task.reward(final, prompts)
         if self.config.grid_samples:
             # Evenly spread over the evaluation set (tasks order it by category / label).
@@ -256,6 +402,7 @@ class GRPOTrainer:
             eval_seconds=time.perf_counter() - t0,
         )
         self.log["evals"].append(ev)
+        self.tracker.log_scalars(self.step_index, {"eval": _tracker_values(ev)})
         return ev
 
     def probe(self) -> dict[str, float]:
@@ -293,34 +440,44 @@ class GRPOTrainer:
 
     def rollout(self) -> RolloutBatch:
         """Draw the prompts and sample their groups, minibatch by minibatch."""
-        c, gen, size = self.config, self.generator, self.minibatch_size
-        prompts = self.task.sample_prompts(c.prompts_per_step, gen)
+        c, size = self.config, self.local_minibatch
+        # The prompts are drawn identically on every rank; each rank samples its rows.
+        prompts = self.task.sample_prompts(c.prompts_per_step, self.generator)
         rep, groups = self._group(prompts)
+        local = rep if self.world_size == 1 else self.layout.take(rep)
+        gen = self.sample_generator()
         sde_steps = self.estimator.sde_steps(self.step_index)
         # Sample in the minibatches that will be trained, so that each minibatch's
         # recomputation sees exactly the batch of its rollout (the condition for a
         # bit-identical ratio, and for values= to be the current parameters' velocities).
-        trajs = [self._sample(rep[i : i + size], gen, sde_steps=sde_steps)
-                 for i in range(0, len(rep), size)]  # fmt: skip
-        return RolloutBatch(list(prompts), rep, groups, trajs)
+        trajs = [self._sample(local[i : i + size], gen, sde_steps=sde_steps)
+                 for i in range(0, len(local), size)]  # fmt: skip
+        return RolloutBatch(list(prompts), rep, groups, trajs, list(local))
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rewards, advantages)`` of a rollout: the task's reward, group-normalised."""
-        size = self.minibatch_size
+        """``(rewards, advantages)`` of a rollout, both global (every sample of the step, in
+        the single-process order): the task's reward, all-gathered over the ranks, then
+        group-normalised over whole groups."""
+        size = self.local_minibatch
+        local = batch.rep if batch.local_rep is None else batch.local_rep
         rewards = torch.cat(
             [
-                self.task.reward(t.latents[-1], batch.rep[i * size : (i + 1) * size])
+                self.task.reward(t.latents[-1], local[i * size : (i + 1) * size])
                 for i, t in enumerate(batch.trajs)
             ]
         ).float()
+        rewards = all_gather_samples(rewards, self.layout)
         return rewards, group_advantages(rewards, batch.groups)  # raises on NaN rewards
 
     def minibatches(self, trajs: list[Trajectories], adv: torch.Tensor) -> list[Minibatch]:
-        """The rollout's minibatches with their trained steps and reference means."""
-        c, size = self.config, self.minibatch_size
+        """The rollout's minibatches (this rank's rows) with their trained steps and
+        reference means; ``adv``: the global advantages."""
+        c, size, gen = self.config, self.local_minibatch, self.sample_generator()
+        if self.world_size > 1:
+            adv = self.layout.take(adv)
         mbs = [
             Minibatch(t, adv[i * size : (i + 1) * size].to(t.latents.device),
-                      self.estimator.train_steps(t.batch_size, self.generator))
+                      self.estimator.train_steps(t.batch_size, gen))
             for i, t in enumerate(trajs)
         ]  # fmt: skip
         if self.reference is not None and self.estimator.needs_logprob_reference:
@@ -335,13 +492,14 @@ class GRPOTrainer:
         c = self.config
         GA = c.gradient_accumulation_steps
         stats = StepStats()
+        gen = self.sample_generator()
         self.optimizer.zero_grad(set_to_none=True)
         for epoch in range(c.num_inner_epochs):
             for i, mb in enumerate(mbs):
                 where = f"epoch {epoch}, minibatch {i}"
                 ta = time.perf_counter()
                 res = self.estimator.loss(
-                    self, mb, generator=self.generator, on_policy=stats.optimizer_steps == 0,
+                    self, mb, generator=gen, on_policy=stats.optimizer_steps == 0,
                     scale=1.0 / GA, inline_backward=True,
                 )  # fmt: skip
                 _check_finite(res.loss.detach(), "loss", self.step_index, where)
@@ -359,8 +517,13 @@ class GRPOTrainer:
         return stats
 
     def optimizer_step(self, where: str) -> torch.Tensor:
-        """Clip (or measure) the gradient norm, check it, step and zero the gradients."""
+        """Average the gradients over the ranks (one collective), clip (or measure) the
+        gradient norm, check it, step and zero the gradients."""
         c, params = self.config, self.params
+        if self.world_size > 1:
+            # Each rank's loss is the mean over its equal share of the minibatch, so the
+            # mean of the ranks' gradients is the single-process gradient (DDP's average).
+            all_reduce_mean_([p.grad for p in params if p.grad is not None])
         if c.max_grad_norm is not None:
             gn = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
         else:
@@ -383,7 +546,7 @@ class GRPOTrainer:
         f0 = self.policy.forward_samples
         stats = self.train_epochs(mbs)
         t2 = time.perf_counter()
-        return stats.row(
+        row = stats.row(
             prompts=batch.prompts,
             rewards=rewards,
             forward_samples=self.policy.forward_samples - f0,
@@ -391,6 +554,7 @@ class GRPOTrainer:
             train_seconds=t2 - t1,
             reference_seconds=t_ref - t1,
         )
+        return _reduce_row(row) if self.world_size > 1 else row
 
     # ------------------------------------------------------------------ the loop
 
@@ -409,12 +573,16 @@ class GRPOTrainer:
             row["peak_saved_bytes"] = int(mem.peak)
         else:
             row = self.train_step()
+        if c.track_memory and self.world_size > 1:
+            row.update(reduce_scalars({"peak_saved_bytes": row["peak_saved_bytes"]}, "max"))
+            row["peak_saved_bytes"] = int(row["peak_saved_bytes"])
         row["step"] = self.step_index
         row.update(probe)
         self.step_index += 1
         self.rollout_seconds += row["rollout_seconds"]
         self.train_seconds += row["train_seconds"]
         self.log["steps"].append(row)
+        self.tracker.log_scalars(row["step"], row)
         if (
             c.eval_per_digit
             and c.eval_every
@@ -424,17 +592,111 @@ class GRPOTrainer:
             self._record_eval()
         self.runlog.totals(self.rollout_seconds, self.train_seconds)
         self.runlog.write()
+        stop = self._stop_requested
+        if self.world_size > 1:  # every rank stops after the same step
+            stop = reduce_scalars({"stop": float(stop)}, "max")["stop"] > 0
+        if c.save_every and (stop or (self.step_index % c.save_every == 0
+                                      and self.step_index < c.steps)):  # fmt: skip
+            self.save_checkpoint()  # the end's is written by finish()
+        if stop:
+            raise KeyboardInterrupt(f"stopped by a signal after step {self.step_index}")
         return row
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def request_stop(self) -> None:
+        """Stop after the current step (checkpoint written with ``save_every``): what
+        Ctrl-C / SIGTERM do during :func:`train` when checkpoints are on."""
+        self._stop_requested = True
+
+    def named_trainable(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors by their names in the model (a checkpoint's weights)."""
+        ids = {id(p) for p in self.params}
+        named = {n: p for n, p in self.model.named_parameters() if id(p) in ids}
+        if len(named) != len(self.params):
+            named = {f"param.{i}": p for i, p in enumerate(self.params)}
+        return named
+
+    def resume_config(self) -> dict[str, Any]:
+        """The config a checkpoint records and a resume compares (plus the world size)."""
+        return {**self.config.resolved(), "world_size": self.world_size}
+
+    def save_checkpoint(self) -> None:
+        """``<out>/checkpoint-<step>/`` of the state now (rank 0; written in the background,
+        :class:`~jagg_autograd.checkpoint.AsyncCheckpointer`)."""
+        c = self.config
+        if not self.is_main or c.out is None:
+            return
+        if self._checkpointer is None:
+            self._checkpointer = AsyncCheckpointer()
+        self.runlog.totals(self.rollout_seconds, self.train_seconds)
+        extra: dict[str, Any] = {}
+        extra_tensors: dict[str, torch.Tensor] = {}
+        if self._grid_rows:  # grid.png's top row: the first evaluation's pictures
+            pics, captions, step = self._grid_rows[0]
+            extra["grid_first"] = {"captions": captions, "step": step}
+            extra_tensors["grid_first"] = pics
+        self._checkpointer.save(
+            c.out, self.step_index, trainable=self.named_trainable(), optimizer=self.optimizer,
+            generators={"train": self.generator}, config=self.resume_config(), log=self.log,
+            extra=extra, extra_tensors=extra_tensors, keep_last=c.keep_checkpoints,
+        )  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written is on disk (and stop the writer)."""
+        ckpt, self._checkpointer = self._checkpointer, None
+        if ckpt is not None:
+            ckpt.close()
+
+    def _resume(self) -> None:
+        """Load the checkpoint into the freshly built run (the reference is built before)."""
+        c = self.config
+        ck = load_checkpoint(
+            self._resume_path, trainable=self.named_trainable(), optimizer=self.optimizer,
+            generators={"train": self.generator}, config=self.resume_config(), rank=self.rank,
+        )  # fmt: skip
+        log = ck.log
+        evals = log.get("evals", [])
+        # A run's last evaluation is taken at its end; a run that continues takes it only
+        # if it is on the --eval-every schedule.
+        periodic = c.eval_every and ck.step % c.eval_every == 0
+        if evals and ck.step > 0 and evals[-1]["step"] == ck.step and not periodic:
+            evals.pop()
+        log["config"] = self.log["config"]
+        log["task"] = self.log["task"]
+        log["out"] = self.log["out"]
+        log["world_size"] = self.world_size
+        log["status"], log["eval"], log["summary"] = "running", {}, ""
+        log.pop("error", None)
+        log.pop("grid", None)
+        log.setdefault("resumed_from", []).append({"path": str(ck.path), "step": ck.step})
+        self.runlog.log = self.log = log
+        self.runlog.resume_clock(float(log.get("total_seconds", 0.0)))
+        self.step_index = ck.step
+        self.rollout_seconds = float(log.get("rollout_seconds", 0.0))
+        self.train_seconds = float(log.get("train_seconds", 0.0))
+        first = ck.extra.get("grid_first")
+        if first is not None and "grid_first" in ck.extra_tensors:
+            self._grid_rows = [(ck.extra_tensors["grid_first"], list(first["captions"]),
+                                int(first["step"]))]  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         """Final evaluation, totals and summary; writes ``log.json`` / ``reward.png``."""
         log = self.log
-        if self.config.eval_per_digit:
-            self._record_eval()
-            log["eval"] = {"initial": log["evals"][0], "final": log["evals"][-1]}
-        self.runlog.totals(self.rollout_seconds, self.train_seconds)
-        self.runlog.finish("finished")
-        self.runlog.save_grid(self._grid_rows, self.task.name or "task")
+        try:
+            if self.config.eval_per_digit:
+                self._record_eval()
+                log["eval"] = {"initial": log["evals"][0], "final": log["evals"][-1]}
+            self.runlog.totals(self.rollout_seconds, self.train_seconds)
+            self.runlog.finish("finished")
+            self.runlog.save_grid(self._grid_rows, self.task.name or "task")
+            if log.get("grid"):
+                self.tracker.log_image("grid", log["grid"], self.step_index)
+            if self.config.save_every:
+                self.save_checkpoint()
+            self.wait_for_checkpoint()
+        finally:
+            self.tracker.close()
         return log
 
     def abort(self, exc: BaseException) -> dict[str, Any]:
@@ -445,7 +707,17 @@ class GRPOTrainer:
             self.log["eval"] = {"initial": self.log["evals"][0]}
         self.runlog.totals(self.rollout_seconds, self.train_seconds)
         status, error = ("interrupted", None) if interrupted else ("failed", exc)
-        return self.runlog.finish(status, error)
+        log = self.runlog.finish(status, error)
+        try:
+            self.wait_for_checkpoint()  # a checkpoint in flight is finished, not lost
+        except Exception as ckpt_exc:  # the run's own error is the one to report
+            print(f"jagg_autograd: the last checkpoint could not be written: {ckpt_exc}",
+                  file=sys.stderr)  # fmt: skip
+        finally:
+            tracker = getattr(self, "tracker", None)
+            if tracker is not None:
+                tracker.close()
+        return log
 
 
 def train(
@@ -471,13 +743,57 @@ def train(
         KeyboardInterrupt: re-raised after the partial log is written.
     """
     trainer = GRPOTrainer(config, task=task)
+    try:
+        with _stop_on_signals(trainer):
+            log = _run(trainer, on_step)
+        if trainer.world_size > 1:
+            # Leave together: a rank tearing gloo down while its peer is still finishing
+            # was seen to abort ("terminate called without an active exception").
+            reduce_scalars({"done": 1.0}, "sum")
+        return log
+    finally:
+        if trainer.world_size > 1:
+            destroy_process_group()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer: GRPOTrainer) -> Any:
+    """With checkpoints on (``save_every``), the first Ctrl-C / SIGTERM stops the run after
+    the current step with a checkpoint (every rank after the same step); a second one
+    stops at once.  Without them (or off the main thread) nothing changes."""
+    if not trainer.config.save_every or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: Any) -> None:
+        if trainer._stop_requested:
+            raise KeyboardInterrupt
+        trainer.request_stop()
+        if trainer.is_main:
+            print(f"\njagg_autograd: {signal.Signals(signum).name}: stopping after the current "
+                  "step with a checkpoint (again: stop now)", file=sys.stderr)  # fmt: skip
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _run(
+    trainer: GRPOTrainer, on_step: Callable[[dict[str, Any]], None] | None
+) -> dict[str, Any]:
     bar = None
-    if trainer.config.progress:
+    if trainer.config.progress and trainer.is_main:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=trainer.config.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=trainer.config.steps, initial=trainer.step_index, desc="GRPO",
+                   unit="step", dynamic_ncols=True)  # fmt: skip
     try:
-        for _ in range(trainer.config.steps):
+        while trainer.step_index < trainer.config.steps:  # a resumed run starts later
             row = trainer.step()
             if on_step is not None:
                 on_step(row)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from jagg_autograd.data_parallel import draw_randn
 from jagg_autograd.estimators.base import (
     Estimator,
     LossContext,
@@ -151,7 +152,7 @@ class NFTEstimator(Estimator):
         ts = draw_timesteps(traj.sigmas, B, n, generator)
         shared = None
         if c.nft_noise == "shared":  # one eps per sample, drawn after the timesteps
-            shared = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
+            shared = draw_randn(x0.shape, generator, dtype=torch.float32).to(x0)
         if c.nft_gradient == "jagg":
             return self.jagg_loss(ctx, mb, ts, shared, None if snap is None else snap[1],
                                   on_policy=on_policy, scale=scale,
@@ -160,7 +161,7 @@ class NFTEstimator(Estimator):
         for j in range(n):
             t = ts[j].to(device=x0.device, dtype=x0.dtype)
             if shared is None:  # DiffusionNFT's randn_like(x0) inside the timestep loop
-                eps = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
+                eps = draw_randn(x0.shape, generator, dtype=torch.float32).to(x0)
             else:
                 eps = shared
             te = t.view(-1, *([1] * (x0.dim() - 1)))
