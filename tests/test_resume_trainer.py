@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from jagg_autograd.config import GRPOConfig
 from jagg_autograd.demo import main
-from jagg_autograd.trainer import GRPOTrainer, _check_world_size
+from jagg_autograd.trainer import GRPOTrainer
+from jagg_autograd.trainer_parallel import check_world_size
 
 # Small digits runs: 2 prompts x 2 samples, 4 SDE steps, one sample per digit evaluated.
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--num-steps", "4", "--window", "2",
@@ -132,14 +133,14 @@ def test_allowed_changes_on_resume(tmp_path):
 
 def test_world_size_refusals():
     base = GRPOConfig(prompts_per_step=2, group_size=2, num_steps=4, window=2)
-    _check_world_size(dataclasses_replace(base, placement="adaptive"), 1)  # fine alone
+    check_world_size(dataclasses_replace(base, placement="adaptive"), 1)  # fine alone
     with pytest.raises(ValueError, match="placement='adaptive' with 2 processes"):
-        _check_world_size(dataclasses_replace(base, placement="adaptive"), 2)
+        check_world_size(dataclasses_replace(base, placement="adaptive"), 2)
     with pytest.raises(ValueError, match="jagg_frac=0.5 with 2 processes"):
-        _check_world_size(dataclasses_replace(base, mode="router", jagg_frac=0.5), 2)
-    _check_world_size(dataclasses_replace(base, mode="router", jagg_frac=None), 2)
+        check_world_size(dataclasses_replace(base, mode="router", jagg_frac=0.5), 2)
+    check_world_size(dataclasses_replace(base, mode="router", jagg_frac=None), 2)
     with pytest.raises(ValueError, match="does not split over 3 processes"):
-        _check_world_size(base, 3)
+        check_world_size(base, 3)
 
 
 def dataclasses_replace(cfg: GRPOConfig, **kw: object) -> GRPOConfig:

@@ -240,3 +240,14 @@ def make_tracker(
         return TensorBoardTracker(log_dir, module)
     return WandbTracker(log_dir, module, project=project, run_name=run_name, config=config,
                         mode=wandb_mode)  # fmt: skip
+
+
+def eval_scalars(ev: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation for the tracker: per-category lists as ``{index: value}``."""
+    out: dict[str, Any] = {}
+    for k, v in ev.items():
+        if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
+            out[k] = {str(i): x for i, x in enumerate(v)}
+        else:
+            out[k] = v
+    return out

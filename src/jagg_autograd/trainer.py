@@ -22,28 +22,16 @@ training noise stream nor the timings.  The log, its files and the summary are
 :mod:`jagg_autograd.runlog`'s.  A non-finite loss or gradient norm stops the run with a
 :class:`TrainingDivergedError` naming the step, before the optimizer step.
 
-Checkpoints (``save_every``; :mod:`jagg_autograd.checkpoint`, written by rank 0 in the
-background) hold the trainable tensors by name, the AdamW state, ``generator`` (prompts,
-rollout noise and the estimator's draws, in that order), the global RNG states, the step
-index, the log (with the timing totals) and the first evaluation's grid pictures.  The
-estimators keep no state across GRPO steps (DiffusionNFT's snapshot is retaken at each
-rollout), so nothing else is needed for ``resume_from`` to continue bit for bit.
-
-Several processes (``torchrun`` / ``accelerate launch``): each rank runs this trainer on
-its rows of every minibatch (:class:`~jagg_autograd.data_parallel.SampleLayout`), drawing
-them from the one generator (:class:`~jagg_autograd.data_parallel.ShardedGenerator`);
-rewards are all-gathered before the group statistics, gradients averaged once per
-optimizer step, the evaluation sharded and gathered, log rows reduced; rank 0 writes.
+Checkpoints, exact resume and stopping: :mod:`jagg_autograd.trainer_checkpoints`;
+several processes (``torchrun`` / ``accelerate launch``):
+:mod:`jagg_autograd.trainer_parallel`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +42,6 @@ import torch
 from jagg_autograd.checkpoint import (
     AsyncCheckpointer,
     check_resume_config,
-    load_checkpoint,
     resolve_checkpoint,
 )
 from jagg_autograd.config import (
@@ -91,7 +78,9 @@ from jagg_autograd.rollout import (
 )
 from jagg_autograd.runlog import RunLog, StepStats, summarize
 from jagg_autograd.tasks import GRPOTask, get_task, task_factory
-from jagg_autograd.tracking import make_tracker
+from jagg_autograd.tracking import eval_scalars, make_tracker
+from jagg_autograd.trainer_checkpoints import CheckpointMixin, saved_config, stop_on_signals
+from jagg_autograd.trainer_parallel import check_world_size, dist_device, reduce_row
 
 __all__ = [
     "MODES", "PLACEMENTS", "PRECISIONS", "SAMPLERS", "SCHEDULES", "SDE_TYPES",
@@ -135,79 +124,6 @@ def _resolve_task(config: GRPOConfig, name: str) -> GRPOTask:
     return get_task(name, **options)
 
 
-def _dist_device(device: str) -> str | None:
-    """The device to join the process group with: CPU, or each rank's own GPU for
-    ``device="cuda"`` (None: ``cuda:LOCAL_RANK``)."""
-    return None if device == "cuda" else device
-
-
-def _check_world_size(config: GRPOConfig, world: int) -> None:
-    """Refuse what cannot give the single-process run with ``world`` processes."""
-    if world == 1:
-        return
-    if config.mode == "jagg" and config.placement == "adaptive":
-        raise ValueError(
-            f"placement='adaptive' with {world} processes: the anchor budget is placed over "
-            "the batch each process sees, so the run would depend on the number of processes; "
-            "use placement='uniform' (the default) or one process"
-        )
-    if config.mode == "router" and config.jagg_frac is not None:
-        raise ValueError(
-            f"jagg_frac={config.jagg_frac} with {world} processes: the router ranks samples "
-            "within the batch each process sees, so the run would depend on the number of "
-            "processes; use --jagg-frac none (threshold only) or one process"
-        )
-    # The minibatch split (SampleLayout) is checked when the trainer is built.
-    size = config.prompts_per_step * config.group_size // config.num_minibatches
-    SampleLayout(config.prompts_per_step * config.group_size, size, 0, world)
-
-
-def _saved_config(path: Any) -> dict[str, Any]:
-    from jagg_autograd._checkpoint_io import read_state
-
-    state = read_state(path)
-    if state is None:  # pragma: no cover - resolve_checkpoint checked it
-        raise ValueError(f"{path} is not a checkpoint")
-    return dict(state.get("config", {}))
-
-
-def _tracker_values(ev: dict[str, Any]) -> dict[str, Any]:
-    """An evaluation for the tracker: per-category lists as ``{index: value}``."""
-    out: dict[str, Any] = {}
-    for k, v in ev.items():
-        if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
-            out[k] = {str(i): x for i, x in enumerate(v)}
-        else:
-            out[k] = v
-    return out
-
-
-#: How a log row's numbers combine over the ranks (the rest are equal on every rank:
-#: rewards and advantages are global, the gradient norm is the averaged gradient's).
-_ROW_MEAN = ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "anchor_frac")
-_ROW_SUM = ("forward_samples", "grad_samples")
-_ROW_MIN = ("ratio_min",)
-
-
-def _reduce_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A rank's log row combined over the ranks: means of the per-rank means (equal
-    shares), sums of the sample counts, min / max of the ratios, max of the call counts
-    and of the seconds (the slowest rank's)."""
-    row = dict(row)
-    groups = {
-        "mean": [k for k in _ROW_MEAN if k in row],
-        "sum": [k for k in _ROW_SUM if k in row],
-        "min": [k for k in _ROW_MIN if k in row],
-        "max": ["ratio_max", "grad_forward_calls", "backward_calls", "backward_passes",
-                *[k for k in row if k.endswith("_seconds")]],
-    }  # fmt: skip
-    for op, keys in groups.items():
-        got = reduce_scalars({k: row[k] for k in keys if k in row}, op)
-        for k, v in got.items():
-            row[k] = type(row[k])(v) if isinstance(row[k], int) else v
-    return row
-
-
 @dataclass
 class RolloutBatch:
     """One rollout: the prompts, each ``group_size`` times (``rep``), the group ids, and
@@ -220,7 +136,7 @@ class RolloutBatch:
     local_rep: list[Any] | None = None  # this rank's samples' prompts (None: all of rep)
 
 
-class GRPOTrainer:
+class GRPOTrainer(CheckpointMixin):
     """Online GRPO on a task, one :meth:`step` at a time.
 
     ``GRPOTrainer(config, task=None)``: ``task`` is a :class:`~jagg_autograd.tasks.GRPOTask`,
@@ -247,13 +163,13 @@ class GRPOTrainer:
         config.validate(task_obj)
         # Several processes (torchrun / accelerate launch): join the group first.
         self.dist = init_process_group_from_env(
-            device=_dist_device(config.device), timeout_s=config.collective_timeout
+            device=dist_device(config.device), timeout_s=config.collective_timeout
         )
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.is_main = self.rank == 0
         if self.world_size > 1 and config.device != "cpu":
             config = dataclasses.replace(config, device=str(self.dist.device))
-        _check_world_size(config, self.world_size)
+        check_world_size(config, self.world_size)
         self.config = config
         # Rank 0 alone writes the log, the pictures and the checkpoints.
         self.runlog = RunLog(config.task, config.resolved(), config.out if self.is_main else None)
@@ -267,7 +183,7 @@ class GRPOTrainer:
         self._resume_path = None
         if config.resume_from is not None:  # refused before anything is written or built
             self._resume_path = resolve_checkpoint(config.resume_from, config.out)
-            check_resume_config(_saved_config(self._resume_path), self.resume_config())
+            check_resume_config(saved_config(self._resume_path), self.resume_config())
         # A missing tracker package fails here, on every rank, before any training.
         self.tracker = make_tracker(config.report_to, log_dir=config.out,
                                     config=self.log["config"], rank=self.rank)  # fmt: skip
@@ -402,7 +318,7 @@ class GRPOTrainer:
             eval_seconds=time.perf_counter() - t0,
         )
         self.log["evals"].append(ev)
-        self.tracker.log_scalars(self.step_index, {"eval": _tracker_values(ev)})
+        self.tracker.log_scalars(self.step_index, {"eval": eval_scalars(ev)})
         return ev
 
     def probe(self) -> dict[str, float]:
@@ -554,7 +470,7 @@ class GRPOTrainer:
             train_seconds=t2 - t1,
             reference_seconds=t_ref - t1,
         )
-        return _reduce_row(row) if self.world_size > 1 else row
+        return reduce_row(row) if self.world_size > 1 else row
 
     # ------------------------------------------------------------------ the loop
 
@@ -601,84 +517,6 @@ class GRPOTrainer:
         if stop:
             raise KeyboardInterrupt(f"stopped by a signal after step {self.step_index}")
         return row
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def request_stop(self) -> None:
-        """Stop after the current step (checkpoint written with ``save_every``): what
-        Ctrl-C / SIGTERM do during :func:`train` when checkpoints are on."""
-        self._stop_requested = True
-
-    def named_trainable(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors by their names in the model (a checkpoint's weights)."""
-        ids = {id(p) for p in self.params}
-        named = {n: p for n, p in self.model.named_parameters() if id(p) in ids}
-        if len(named) != len(self.params):
-            named = {f"param.{i}": p for i, p in enumerate(self.params)}
-        return named
-
-    def resume_config(self) -> dict[str, Any]:
-        """The config a checkpoint records and a resume compares (plus the world size)."""
-        return {**self.config.resolved(), "world_size": self.world_size}
-
-    def save_checkpoint(self) -> None:
-        """``<out>/checkpoint-<step>/`` of the state now (rank 0; written in the background,
-        :class:`~jagg_autograd.checkpoint.AsyncCheckpointer`)."""
-        c = self.config
-        if not self.is_main or c.out is None:
-            return
-        if self._checkpointer is None:
-            self._checkpointer = AsyncCheckpointer()
-        self.runlog.totals(self.rollout_seconds, self.train_seconds)
-        extra: dict[str, Any] = {}
-        extra_tensors: dict[str, torch.Tensor] = {}
-        if self._grid_rows:  # grid.png's top row: the first evaluation's pictures
-            pics, captions, step = self._grid_rows[0]
-            extra["grid_first"] = {"captions": captions, "step": step}
-            extra_tensors["grid_first"] = pics
-        self._checkpointer.save(
-            c.out, self.step_index, trainable=self.named_trainable(), optimizer=self.optimizer,
-            generators={"train": self.generator}, config=self.resume_config(), log=self.log,
-            extra=extra, extra_tensors=extra_tensors, keep_last=c.keep_checkpoints,
-        )  # fmt: skip
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait until the checkpoint being written is on disk (and stop the writer)."""
-        ckpt, self._checkpointer = self._checkpointer, None
-        if ckpt is not None:
-            ckpt.close()
-
-    def _resume(self) -> None:
-        """Load the checkpoint into the freshly built run (the reference is built before)."""
-        c = self.config
-        ck = load_checkpoint(
-            self._resume_path, trainable=self.named_trainable(), optimizer=self.optimizer,
-            generators={"train": self.generator}, config=self.resume_config(), rank=self.rank,
-        )  # fmt: skip
-        log = ck.log
-        evals = log.get("evals", [])
-        # A run's last evaluation is taken at its end; a run that continues takes it only
-        # if it is on the --eval-every schedule.
-        periodic = c.eval_every and ck.step % c.eval_every == 0
-        if evals and ck.step > 0 and evals[-1]["step"] == ck.step and not periodic:
-            evals.pop()
-        log["config"] = self.log["config"]
-        log["task"] = self.log["task"]
-        log["out"] = self.log["out"]
-        log["world_size"] = self.world_size
-        log["status"], log["eval"], log["summary"] = "running", {}, ""
-        log.pop("error", None)
-        log.pop("grid", None)
-        log.setdefault("resumed_from", []).append({"path": str(ck.path), "step": ck.step})
-        self.runlog.log = self.log = log
-        self.runlog.resume_clock(float(log.get("total_seconds", 0.0)))
-        self.step_index = ck.step
-        self.rollout_seconds = float(log.get("rollout_seconds", 0.0))
-        self.train_seconds = float(log.get("train_seconds", 0.0))
-        first = ck.extra.get("grid_first")
-        if first is not None and "grid_first" in ck.extra_tensors:
-            self._grid_rows = [(ck.extra_tensors["grid_first"], list(first["captions"]),
-                                int(first["step"]))]  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         """Final evaluation, totals and summary; writes ``log.json`` / ``reward.png``."""
@@ -744,7 +582,7 @@ def train(
     """
     trainer = GRPOTrainer(config, task=task)
     try:
-        with _stop_on_signals(trainer):
+        with stop_on_signals(trainer):
             log = _run(trainer, on_step)
         if trainer.world_size > 1:
             # Leave together: a rank tearing gloo down while its peer is still finishing
@@ -754,33 +592,6 @@ def train(
     finally:
         if trainer.world_size > 1:
             destroy_process_group()
-
-
-@contextlib.contextmanager
-def _stop_on_signals(trainer: GRPOTrainer) -> Any:
-    """With checkpoints on (``save_every``), the first Ctrl-C / SIGTERM stops the run after
-    the current step with a checkpoint (every rank after the same step); a second one
-    stops at once.  Without them (or off the main thread) nothing changes."""
-    if not trainer.config.save_every or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def handler(signum: int, frame: Any) -> None:
-        if trainer._stop_requested:
-            raise KeyboardInterrupt
-        trainer.request_stop()
-        if trainer.is_main:
-            print(f"\njagg_autograd: {signal.Signals(signum).name}: stopping after the current "
-                  "step with a checkpoint (again: stop now)", file=sys.stderr)  # fmt: skip
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
 
 
 def _run(
