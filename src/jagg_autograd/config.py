@@ -20,6 +20,7 @@ import torch
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
+from jagg_autograd.planner import FOLDS
 from jagg_autograd.rollout import STEP_SELECTIONS
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
 from jagg_autograd.tasks import GRPOTask, task_factory, task_names
@@ -160,6 +161,11 @@ class GRPOConfig:
     placement: str = _f("uniform", "gradient", "anchor placement: uniform (the window "
                         "layout) or adaptive (chosen in the backward; every minibatch runs "
                         "deferred; router: uniform)", choices=PLACEMENTS)  # fmt: skip
+    fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
+                   "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
+                   "group-fair advantages) or causal (the anchor at or before the step; "
+                   "unbiased for any advantages, lower per-batch cosine)",
+                   choices=FOLDS)  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
                               "(None: the uniform count)")  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
@@ -199,6 +205,10 @@ class GRPOConfig:
                            "grid.png (0: no grid)")  # fmt: skip
     probe_every: int = _f(0, "run", "every N GRPO steps, the gradient cosine / relative "
                           "error of the estimator to exact on a fresh batch (0: off)")  # fmt: skip
+    probe_batches: int = _f(1, "run", "fresh batches per probe (the same prompts and noise "
+                            "for every run at a step, from eval_seed); >= 3 adds the bias "
+                            "figures (probe_systematic_share, probe_bias_to_signal, ...: "
+                            "jagg_autograd.bias); the study uses 24")  # fmt: skip
     seed: int = _f(0, "run", "seeds the prompts, the rollout noise and the evaluation noise")
     device: str = _f("cpu", "run", "cpu or cuda (cuda:N); noise is drawn on the CPU")
     precision: str = _f("fp32", "run", "fp32, or bf16 (the model under autocast; latents, "
@@ -333,7 +343,7 @@ _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_s
             "gradient_accumulation_steps", "num_inner_epochs", "lora_rank")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
             "timestep_selection", "sde_type", "nft_noise", "nft_gradient",
-            "report_to")  # fmt: skip
+            "report_to", "fold")  # fmt: skip
 
 _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (_POS_INT, lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
@@ -344,6 +354,7 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     *[((n,), _choice(n), "one of {choices}") for n in _CHOICES],
     (("eval_every", "probe_every", "grid_samples"), lambda v, c: _is_int(v) and v >= 0,
      "an int >= 0"),
+    (("probe_batches",), lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
     (("eval_seed",), _optional(lambda v, c: _is_int(v)), "None or an int"),
     (("subsample_steps",), _optional(lambda v, c: _is_int(v) and 1 <= v <= c.num_steps),
      "None or an int in [1, num_steps={c.num_steps}]"),

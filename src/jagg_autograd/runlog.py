@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import time
 import uuid
@@ -348,6 +349,13 @@ def summarize(log: dict[str, Any]) -> str:
         txt += (
             f" Gradient cosine to exact over {len(probes)} probes: mean "
             f"{sum(probes) / len(probes):.3f}, min {min(probes):.3f}."
+        )
+    shares = [r["probe_systematic_share"] for r in rows
+              if math.isfinite(r.get("probe_systematic_share", math.nan))]  # fmt: skip
+    if shares:
+        txt += (
+            f" Systematic share of the gradient error (bias; 0 = unbiased): mean "
+            f"{sum(shares) / len(shares):+.3f}, max {max(shares):+.3f}."
         )
     if log.get("error"):
         txt += f" Stopped by {log['error']}"

@@ -61,11 +61,12 @@ class JaggEstimator(Estimator):
     def core_options(self, ctx: LossContext, reuse: bool) -> tuple[dict[str, Any], str]:
         """The ``jagg_trajectory`` keywords of this minibatch's path, and the path's name."""
         c = self.config
+        fold = {} if c.fold == "linear" else {"fold": c.fold}  # linear: jagg_trajectory's own
         if not (reuse or c.deferred or self.adaptive):
-            return {}, "eager"
+            return fold, "eager"
         # Values are only ever used with the deferred backward (no forward at all but the
         # anchors'); off-policy minibatches recompute every step.
-        kw: dict[str, Any] = {"deferred": True, "params": ctx.params}
+        kw: dict[str, Any] = {"deferred": True, "params": ctx.params, **fold}
         if self.adaptive:
             kw["placement"] = c.placement
             if c.budget is not None:
@@ -110,6 +111,8 @@ class JaggEstimator(Estimator):
             extras.append(
                 f"{cfg['placement']} placement" + (f" budget {budget:g}" if budget else "")
             )
+        if cfg.get("fold", "linear") != "linear":
+            extras.append(f"{cfg['fold']} fold")
         if extras:
             txt += ", " + ", ".join(extras)
         return txt + fraction_note(cfg)
