@@ -80,15 +80,15 @@ class GRPOConfig:
       taken and ``clip_range`` (Flow-GRPO's 1e-4, kept) only acts with
       ``optimizer_steps_per_rollout > 1`` or ``num_inner_epochs > 1``, on the minibatches
       trained after an earlier optimizer step of the same rollout;
-    * ``reuse_values`` and ``deferred`` on, ``placement="uniform"`` (4 anchors of 10
-      steps), no router: the second quality study (``python -m benchmarks.quality``,
-      digits, 4 seeds x 60 steps) measured this final held-out reward +0.02 % of exact
-      GRPO's at 0.463 of its training time (0.614 of the whole step), peak saved bytes at
-      the per-step loop's (1.00x on digits, 1.02x on shapes, where the eager path needed
-      3.98x / 4.01x); today's eager path (W = 4 + router 0.7, which routed 1 % of windows
-      on digits and 2.4 % on shapes) +0.19 % at 0.582; adaptive placement (the higher
-      gradient cosine, 0.962 vs 0.943) -2.5 % (budget 4), +1.5 % (3) and -7.9 % (5), and
-      slower: see ``benchmarks/results/quality2/QUALITY.md``.
+    * ``reuse_values`` and ``deferred`` on, ``placement="uniform"``, ``fold="linear"`` (4
+      anchors of 10 steps), no router: the third quality study (``python -m
+      benchmarks.quality --tasks digits --seeds 0 2 3 --resume``, digits, 3 seeds x 60
+      steps, probes of 24 batches at steps 0 and 30 on seed 0) measured this final
+      held-out reward +0.05 +- 0.08 % of exact GRPO's at 0.445 of its training phase, with
+      a systematic share of the gradient error of at most +0.016 along the run (floor SD
+      ~0.007); adaptive placement (group-fair) -0.19 / -0.74 / +0.27 % at budgets 3 / 4 / 5
+      (b4: higher per-batch cosine 0.967 vs 0.952 but not more reward), the causal fold
+      -3.71 %, the router +0.22 %: see ``benchmarks/results/quality3/QUALITY.md``.
 
     Every field's help is in its metadata (``dataclasses.fields(GRPOConfig)``, or
     ``jagg-demo --help``).
