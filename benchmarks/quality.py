@@ -714,6 +714,22 @@ def _num(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
 
 
+def _category_table(agg: dict[str, Any], rows: list[str], key: str, title: str) -> list[str]:
+    """Markdown lines of a per-category table (before → after, mean over seeds) of
+    ``agg[n][key]`` for the variants ``rows``; none when ``rows`` is empty."""
+    if not rows:
+        return []
+    cats = list(agg[rows[0]][key]["final"])
+    lines = ["", f"{title}, before → after (mean over seeds):", "",
+             "| variant | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]  # fmt: skip
+    for n in rows:
+        c = agg[n][key]
+        lines.append(f"| {n} | " + " | ".join(
+            f"{c['initial'][k]['mean']:.3f} → {c['final'][k]['mean']:.3f}" for k in cats
+        ) + " |")  # fmt: skip
+    return lines
+
+
 def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
     t = res["tasks"][task]
     st, agg = t["study"], t["aggregate"]
@@ -815,36 +831,12 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
             "step per variant, seed 0's initial weights, track_memory=True).",
         ]
     cat_rows = [n for n in ("exact", *CANDIDATES) if n in agg and agg[n]["categories"]["final"]]
-    if cat_rows:
-        cats = list(agg[cat_rows[0]]["categories"]["final"])
-        lines += [
-            "",
-            "Held-out score per category, before → after (mean over seeds):",
-            "",
-            "| variant | " + " | ".join(cats) + " |",
-            "|---|" + "---|" * len(cats),
-        ]
-        for n in cat_rows:
-            c = agg[n]["categories"]
-            lines.append(f"| {n} | " + " | ".join(
-                f"{c['initial'][k]['mean']:.3f} → {c['final'][k]['mean']:.3f}" for k in cats
-            ) + " |")  # fmt: skip
+    lines += _category_table(agg, cat_rows, "categories",
+                             "Held-out score per category")  # fmt: skip
     s_rows = [n for n in cat_rows if agg[n].get("categories_strict", {}).get("final")]
-    if s_rows:
-        cats = list(agg[s_rows[0]]["categories_strict"]["final"])
-        lines += [
-            "",
-            "Held-out strict accuracy (GenEval: fraction of fully correct pictures) per "
-            "category, before → after (mean over seeds):",
-            "",
-            "| variant | " + " | ".join(cats) + " |",
-            "|---|" + "---|" * len(cats),
-        ]
-        for n in s_rows:
-            c = agg[n]["categories_strict"]
-            lines.append(f"| {n} | " + " | ".join(
-                f"{c['initial'][k]['mean']:.3f} → {c['final'][k]['mean']:.3f}" for k in cats
-            ) + " |")  # fmt: skip
+    lines += _category_table(agg, s_rows, "categories_strict",
+                             "Held-out strict accuracy (GenEval: fraction of fully correct "
+                             "pictures) per category")  # fmt: skip
     lines += ["", f"![reward vs step](reward_vs_step_{task}.png)", "",
               f"![reward vs wall-clock](reward_vs_wallclock_{task}.png)", "",
               f"![systematic share vs step](bias_vs_step_{task}.png)", "",
