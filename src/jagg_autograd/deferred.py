@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from jagg_autograd.caller import Caller
 from jagg_autograd.checks import resolve_params, stale_error
 from jagg_autograd.distributed import ddp_for_deferred, ddp_post_forward, ddp_pre_forward
+from jagg_autograd.fold_guard import mark_fold
 from jagg_autograd.mix import mix_slots
 from jagg_autograd.planner import Plan, choose_plan
 
@@ -74,6 +75,7 @@ def run_deferred(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
         stats.anchors = [] if plan is None else mask.any(1).nonzero().flatten().tolist()
     spec = DeferredSpec(call, caller, choice.plan, stats)
     out = DeferredJaggFunction.apply(spec, vals, *call.targets)
+    mark_fold(out, call.opts.fold)  # for the loss's guard (fold_guard)
     if ddp is not None:
         out = ddp_post_forward(ddp, out)
     return out, stats

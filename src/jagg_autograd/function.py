@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from jagg_autograd.caller import Caller, run_pairs_grad, run_steps
 from jagg_autograd.checks import check_fresh
 from jagg_autograd.distributed import fsdp_collective
+from jagg_autograd.fold_guard import mark_fold
 from jagg_autograd.mix import mix_slots
 from jagg_autograd.planner import choose_plan
 
@@ -66,6 +67,7 @@ def run_eager(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
     out = JaggFunction.apply(
         grad_v, vals, plan.w_cur, plan.w_nxt, plan.slots, plan.n_rows, opts.backend
     )
+    mark_fold(out, call.opts.fold)  # for the loss's guard (fold_guard)
     if not opts.return_stats:
         return out, None
     return out, call.stats(caller, choice.scores, choice.exact, plan.anchor_mask)

@@ -35,6 +35,7 @@ import torch
 
 from jagg_autograd._validate import _check_float_tensor, _check_nonneg, _is_real_number
 from jagg_autograd.advantages import group_advantages
+from jagg_autograd.fold_guard import note_advantages
 from jagg_autograd.schedules import (
     SigmaLike,
     flow_match_sigmas,
@@ -490,15 +491,22 @@ def grpo_loss(
     beta_f = _check_nonneg("beta", beta, strict=False)
     if beta_f > 0.0 and kl is None:
         raise ValueError(f"beta={beta_f} > 0 needs kl, a (B,) tensor of per-sample KL terms")
-    # One host sync for all finiteness checks; work out which argument only on failure.
+    # One host sync for all finiteness checks and the advantages' sum and sum of squares
+    # (the linear fold's guard, jagg_autograd.fold_guard); work out which argument is
+    # non-finite only on failure.
+    a64 = advantages.detach().to(torch.float64)
     finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).all()
-    if not bool(finite):
+    ok, a_sum, a_sq = torch.stack(
+        [finite.to(torch.float64), a64.sum(), a64.square().sum()]
+    ).tolist()
+    if not ok:
         for name, t in named:
             bad = ~torch.isfinite(t.detach())
             if bool(bad.any()):
                 idx = torch.nonzero(bad).flatten().tolist()
                 raise ValueError(f"{name} has non-finite entries at batch index {idx}")
 
+    note_advantages(log_prob, a_sum, a_sq, batch)
     dtype = log_prob.dtype
     adv = advantages.detach().to(dtype).clamp(-adv_max, adv_max)
     log_ratio = log_prob - old_log_prob.detach().to(dtype)

@@ -152,6 +152,9 @@ def jagg_window(
             and per-sample decisions that do not depend on them) or "causal" (onto the
             anchor at or before the step only: unbiased for any advantages, less accurate
             per batch); see :func:`jagg_autograd.planner.interpolation_weights`.
+            A linear-fold call's output carries its fold on its graph node, and
+            :func:`jagg_autograd.grpo.grpo_loss` warns once when advantages of non-zero
+            mean (e.g. raw rewards) reach it (:mod:`jagg_autograd.fold_guard`).
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
