@@ -161,6 +161,7 @@ def fidelity_study(trs: dict[str, GRPOTrainer], batches: int, seed: int) -> dict
             "systematic_share_floor_sd": rep.systematic_share_floor_sd,
             "expected_cosine": rep.expected_cosine.to_dict(),
             "signal_fraction": rep.signal_fraction.to_dict(),
+            "bias_to_signal": rep.bias_to_signal.to_dict(),
         }
     out["batches"] = batches
     return out
@@ -214,8 +215,9 @@ def markdown(res: dict[str, Any]) -> str:
         )
     lines += ["", f"## Gradient fidelity to the exact gradient of the same loss "
               f"({fid['batches']} batches, shared noise)", "",
-              "| variant | min cosine | median | mean | systematic share | floor SD |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+              "| variant | min cosine | median | mean | systematic share | floor SD | "
+              "bias / signal | cos(E est, E exact) | signal fraction |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for n in (*JAGG, CAUSAL):
         if n not in fid:
             continue
@@ -224,10 +226,15 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {n} | {f['min_cosine']:.4f} | {f['median_cosine']:.4f} | "
             f"{f['mean_cosine']:.4f} | {ss['value']:+.4f} (SE {ss['se']:.4f}) | "
-            f"{f['systematic_share_floor_sd']:.4f} |"
+            f"{f['systematic_share_floor_sd']:.4f} | {f['bias_to_signal']['value']:.4f} | "
+            f"{f['expected_cosine']['value']:.4f} | {f['signal_fraction']['value']:.4f} |"
         )
     lines += ["", "Targets of issue 20: cosine >= 0.99 per batch, systematic share at the floor "
-              "(within 2 floor SDs of 0).", ""]  # fmt: skip
+              "(within 2 floor SDs of 0).  NFT's optimality weights are not zero-mean, so "
+              "JAGG's approximation error (deterministic given a sample's noise line) does "
+              "not cancel over samples as the GRPO fold's does: the systematic share is "
+              "that error's mean, and bias / signal and cos(E est, E exact) say how far it "
+              "moves the expected update.", ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -1131,7 +1131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--probe-seeds", type=int, nargs="*",
                    help="only these seeds carry the gradient probes (default: the task's)")
     p.add_argument("--workers", type=int, help="processes, one thread each (default 2; quick 1)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="subset (exact added)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                   help="these variants instead of the task's list (exact added); any of "
+                   "VARIANTS, e.g. the NFT ones on digits")  # fmt: skip
     p.add_argument("--out", help="output folder (default benchmarks/results/quality2)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plan", action="store_true",
@@ -1147,15 +1149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--tasks: unknown {bad}; choose from {list(TASKS)}")
     studies = studies_for(tasks, args.quick, seeds=args.seeds, steps=args.steps,
                           probe_seeds=args.probe_seeds)  # fmt: skip
-    if args.variants is not None:
-        want = ["exact", *[n for n in args.variants if n != "exact"]]
+    want = None if args.variants is None else ["exact", *[n for n in args.variants if n != "exact"]]
+    if want is not None:
         for st in studies.values():
-            st["variants"] = [n for n in want if n in st["variants"]]
+            st["variants"] = list(want)
     workers = args.workers or (1 if args.quick else 2)
     if any(st["steps"] < 1 or not st["seeds"] for st in studies.values()) or workers < 1:
         p.error("--steps and --workers must be >= 1 and --seeds non-empty")
     if args.plan:
-        pl = plan(studies_for(tasks, False, seeds=args.seeds, steps=args.steps), workers)
+        full = studies_for(tasks, False, seeds=args.seeds, steps=args.steps)
+        for st in full.values():
+            st["variants"] = st["variants"] if want is None else list(want)
+        pl = plan(full, workers)
         for j in pl["jobs"]:
             print(f"  {j['job']:<16} {j['seconds'] / 60:6.1f} min")
         print(f"[quality] {pl['runs']} runs; {pl['worker_seconds'] / 60:.1f} min of worker time; "

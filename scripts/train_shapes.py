@@ -130,12 +130,19 @@ def evaluate(
 
 
 def train(
-    settings: dict[str, Any], log_every: int = 100, eval_every: int = 0
+    settings: dict[str, Any],
+    log_every: int = 100,
+    eval_every: int = 0,
+    init_weights: Path | None = None,
+    progress: tuple[int, float, float] = (8, 3.0, 0.0),
 ) -> tuple[ShapesModel, dict[str, Any]]:
     """Joint rectified-flow training of the text encoder and the MMDiT; returns the EMA.
 
-    ``eval_every > 0``: also print a small held-out evaluation of the EMA (CFG 3, ODE, 8
-    samples per category) every that many steps (progress only; not in the meta file).
+    ``eval_every > 0``: also print a held-out evaluation of the EMA every that many steps
+    (progress only; not in the meta file): ``progress`` = (samples per category, CFG
+    scale, SDE noise level; 0 = ODE).  ``init_weights``: start the model and its EMA from
+    these weights (a safetensors file of the same architecture) instead of the seed's
+    initialisation -- continued training, e.g. to measure what more steps buy.
     """
     torch.manual_seed(settings["seed"])
     rng = np.random.default_rng(settings["seed"] + 1)
@@ -148,6 +155,10 @@ def train(
         text_layers=settings["text_layers"],
     )
     model = ShapesModel(cfg)
+    if init_weights is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(init_weights)))
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(
         model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"]
@@ -189,8 +200,13 @@ def train(
             )
         if eval_every and (step + 1) % eval_every == 0:
             ema.eval()
-            ev = evaluate(ema, {**settings, "eval_per_category": 8}, 3.0, 0.0)
-            print(f"[eval] step {step + 1}: {ev['mean_reward']:.3f} {ev['per_category']}")
+            n_cat, w, eta = progress
+            ev = evaluate(ema, {**settings, "eval_per_category": n_cat}, w, eta)
+            print(
+                f"[eval] step {step + 1} cfg {w} eta {eta}: mean {ev['mean_reward']:.3f} "
+                f"strict {ev['strict_accuracy']:.3f} {ev['strict_accuracy_per_category']}",
+                flush=True,
+            )
     ema.eval()
     info = {
         "config": cfg.to_dict(),
@@ -249,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
     p.add_argument("--eval-every", type=int, default=0, help="progress evaluations (0: off)")
+    p.add_argument("--progress-eval", type=float, nargs=3, default=(8, 3.0, 0.0),
+                   metavar=("PER_CATEGORY", "CFG", "ETA"),
+                   help="the progress evaluation: samples per category, CFG, SDE noise level")
+    p.add_argument("--init-weights", type=Path, default=None,
+                   help="continue from these weights (same architecture; recorded in the meta)")
     p.add_argument(
         "--eval-only",
         action="store_true",
@@ -277,7 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     settings = {k: getattr(args, k) for k in DEFAULTS}
-    model, info = train(settings, eval_every=args.eval_every)
+    n_cat, w, eta = args.progress_eval
+    model, info = train(
+        settings,
+        eval_every=args.eval_every,
+        init_weights=args.init_weights,
+        progress=(int(n_cat), w, eta),
+    )
+    if args.init_weights is not None:
+        info["init_weights"] = str(args.init_weights)
     evals = run_evals(model, settings)
 
     from safetensors.torch import save_file

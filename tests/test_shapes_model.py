@@ -203,3 +203,37 @@ def test_training_script_is_deterministic():
     torch.manual_seed(settings["seed"])  # the script's initialisation
     init = ShapesModel(ShapesModelConfig(num_layers=1)).state_dict()
     assert any(not torch.equal(sa[k], init[k]) for k in sa)  # it did train
+
+
+def test_training_script_continues_from_init_weights(tmp_path):
+    """--init-weights: at lr 0 the run returns those weights; a step from them moves off them and
+    differs from a step from the seed's initialisation."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_shapes.py"
+    spec = importlib.util.spec_from_file_location("train_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    settings = {**mod.DEFAULTS, "steps": 2, "batch": 4, "warmup": 1, "num_layers": 1}
+    torch.set_num_threads(1)
+    torch.manual_seed(123)  # weights unlike the seed's initialisation
+    cfg = ShapesModelConfig(
+        num_layers=1,
+        attention_head_dim=settings["attention_head_dim"],
+        num_attention_heads=settings["num_attention_heads"],
+        patch_size=settings["patch_size"],
+        text_layers=settings["text_layers"],
+    )
+    start = ShapesModel(cfg).state_dict()
+    w = tmp_path / "start.safetensors"
+    save_file({k: v.contiguous() for k, v in start.items()}, str(w))
+    same, _ = mod.train({**settings, "lr": 0.0}, log_every=10**9, init_weights=w)
+    assert all(torch.equal(v, start[k]) for k, v in same.state_dict().items())
+    cont, _ = mod.train(settings, log_every=10**9, init_weights=w)
+    fresh, _ = mod.train(settings, log_every=10**9)
+    sc, sf = cont.state_dict(), fresh.state_dict()
+    assert any(not torch.equal(sc[k], start[k]) for k in sc)
+    assert any(not torch.equal(sc[k], sf[k]) for k in sc)

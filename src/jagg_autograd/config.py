@@ -82,13 +82,15 @@ class GRPOConfig:
       trained after an earlier optimizer step of the same rollout;
     * ``reuse_values`` and ``deferred`` on, ``placement="uniform"``, ``fold="linear"`` (4
       anchors of 10 steps), no router: the third quality study (``python -m
-      benchmarks.quality --tasks digits --seeds 0 2 3 --resume``, digits, 3 seeds x 60
-      steps, probes of 24 batches at steps 0 and 30 on seed 0) measured this final
-      held-out reward +0.05 +- 0.08 % of exact GRPO's at 0.445 of its training phase, with
-      a systematic share of the gradient error of at most +0.016 along the run (floor SD
-      ~0.007); adaptive placement (group-fair) -0.19 / -0.74 / +0.27 % at budgets 3 / 4 / 5
-      (b4: higher per-batch cosine 0.967 vs 0.952 but not more reward), the causal fold
-      -3.71 %, the router +0.22 %: see ``benchmarks/results/quality3/QUALITY.md``.
+      benchmarks.quality --tasks digits``, digits, 4 seeds x 60 steps, probes of 24 batches
+      at steps 0 and 30 on seeds 0 and 1) measured this final held-out reward +0.02 +-
+      0.10 % of exact GRPO's at 0.453 of its training phase (0.448 for one minibatch in
+      isolation, ``python -m benchmarks.train_phase``), with a systematic share of the
+      gradient error of at most +0.016 along the run (floor SD ~0.007); adaptive
+      placement (group-fair) -1.37 / -0.38 / +0.50 % at budgets 3 / 4 / 5 (b4: higher
+      per-batch cosine 0.966 vs 0.952 but not more reward, -0.0033 +- 0.0105 paired), the
+      causal fold -3.03 %, the router +0.19 %: see
+      ``benchmarks/results/quality3/QUALITY.md``.
 
     Every field's help is in its metadata (``dataclasses.fields(GRPOConfig)``, or
     ``jagg-demo --help``).

@@ -1,0 +1,23 @@
+"""benchmarks/train_phase.py --quick runs end to end and writes its table.
+
+Timing is not asserted (a shared machine); what does not depend on it is checked: every
+variant is timed on every repetition, exact's ratio is 1, and the file names the floors.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def test_train_phase_benchmark_quick(run_benchmark) -> None:
+    from benchmarks.train_phase import NAMES
+
+    out = run_benchmark("benchmarks.train_phase", "--quick")
+    res = json.loads((out / "train_phase.json").read_text())
+    tm = res["time"]
+    assert set(tm["ratio_to_exact"]) == set(NAMES)
+    assert tm["ratio_to_exact"]["exact"] == 1.0
+    assert all(len(v) == tm["reps"] == 2 for v in tm["times"].values())
+    assert all(t > 0 for t in tm["median_s"].values())
+    md = (out / "TRAIN_PHASE.md").read_text()
+    assert "| uniform |" in md and "| 0.4 |" in md
