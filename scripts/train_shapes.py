@@ -79,12 +79,17 @@ GUIDANCE_SCALES = (1.0, 2.0, 3.0, 4.5)
 EVAL_NOISE_LEVEL = 0.7
 
 
-def sample_captions(n: int, rng: np.random.Generator) -> list[str]:
-    """``n`` training captions: category uniform, then a prompt of it uniform."""
+def sample_captions(
+    n: int, rng: np.random.Generator, weights: list[float] | None = None
+) -> list[str]:
+    """``n`` training captions: a category (uniform, or in proportion to ``weights``, one
+    per entry of ``CATEGORIES``), then a prompt of it uniform."""
     by_cat = {c: all_prompts(c) for c in CATEGORIES}
+    p = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
     out = []
     for _ in range(n):
-        ps = by_cat[CATEGORIES[int(rng.integers(len(CATEGORIES)))]]
+        k = int(rng.integers(len(CATEGORIES))) if p is None else int(rng.choice(len(p), p=p))
+        ps = by_cat[CATEGORIES[k]]
         out.append(ps[int(rng.integers(len(ps)))])
     return out
 
@@ -174,7 +179,7 @@ def train(
     running, loss = None, torch.zeros(())
     t0 = time.time()
     for step in range(steps):
-        captions = sample_captions(bs, rng)
+        captions = sample_captions(bs, rng, settings.get("category_weights"))
         x0 = render_batch(captions, rng)
         drop = rng.random(bs) < settings["caption_dropout"]
         ids = model.tokenizer(["" if d else c for c, d in zip(captions, drop, strict=True)])
@@ -268,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress-eval", type=float, nargs=3, default=(8, 3.0, 0.0),
                    metavar=("PER_CATEGORY", "CFG", "ETA"),
                    help="the progress evaluation: samples per category, CFG, SDE noise level")
+    p.add_argument("--category-weights", type=float, nargs=len(CATEGORIES), default=None,
+                   metavar="W", help="sampling weight of each category, in the order "
+                   f"{', '.join(CATEGORIES)} (default: uniform)")
     p.add_argument("--init-weights", type=Path, default=None,
                    help="continue from these weights (same architecture; recorded in the meta)")
     p.add_argument(
@@ -298,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     settings = {k: getattr(args, k) for k in DEFAULTS}
+    if args.category_weights is not None:
+        if any(w < 0 for w in args.category_weights) or sum(args.category_weights) <= 0:
+            p.error("--category-weights must be >= 0 with a positive sum")
+        settings["category_weights"] = list(args.category_weights)
     n_cat, w, eta = args.progress_eval
     model, info = train(
         settings,
@@ -305,8 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         init_weights=args.init_weights,
         progress=(int(n_cat), w, eta),
     )
+    init_meta = None
     if args.init_weights is not None:
         info["init_weights"] = str(args.init_weights)
+        # Provenance: the stage this run continues (its settings reproduce it).
+        prev = args.init_weights.parent / "shapes_meta.json"
+        if prev.is_file():
+            with open(prev, encoding="utf-8") as fh:
+                pm = json.load(fh)
+            init_meta = {k: pm[k] for k in ("settings", "model", "init") if k in pm}
     evals = run_evals(model, settings)
 
     from safetensors.torch import save_file
@@ -323,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "settings": settings,
         "model": {**info, "weights_bytes": weights.stat().st_size},
+        **({"init": init_meta} if init_meta is not None else {}),
         **evals,
         "environment": {
             "torch": torch.__version__,

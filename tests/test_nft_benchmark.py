@@ -12,7 +12,8 @@ import json
 def test_nft_jagg_benchmark_quick(run_benchmark) -> None:
     out = run_benchmark("benchmarks.nft_jagg", "--quick")
     res = json.loads((out / "nft_jagg.json").read_text())
-    names = {"loop9", "shared_exact9", "jagg9_a4", "jagg9_a3", "jagg9_ad4", "loop4"}
+    names = {"loop9", "shared_exact9", "jagg9_a4", "jagg9_a3", "jagg9_ad4", "loop4",
+             "jagg9_a4_c64"}
     assert set(res["time"]["ratio_to_loop9"]) == names
     assert res["time"]["ratio_to_loop9"]["loop9"] == 1.0
     assert all(t > 0 for t in res["time"]["median_s"].values())
