@@ -184,8 +184,9 @@ def test_grpo_smoke_run_through_the_trainer(tmp_path):
     assert (tmp_path / "log.json").is_file()
 
 
-def test_training_script_is_deterministic():
-    """Two short runs of scripts/train_shapes.py's training loop give identical weights."""
+
+def _train_script():
+    """scripts/train_shapes.py as a module (it is not part of the package)."""
     import importlib.util
     from pathlib import Path
 
@@ -193,6 +194,12 @@ def test_training_script_is_deterministic():
     spec = importlib.util.spec_from_file_location("train_shapes", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_script_is_deterministic():
+    """Two short runs of scripts/train_shapes.py's training loop give identical weights."""
+    mod = _train_script()
     settings = {**mod.DEFAULTS, "steps": 3, "batch": 4, "warmup": 2, "num_layers": 1}
     torch.set_num_threads(1)
     a, info = mod.train(settings, log_every=10**9)
@@ -208,15 +215,9 @@ def test_training_script_is_deterministic():
 def test_training_script_continues_from_init_weights(tmp_path):
     """--init-weights: at lr 0 the run returns those weights; a step from them moves off them and
     differs from a step from the seed's initialisation."""
-    import importlib.util
-    from pathlib import Path
-
     from safetensors.torch import save_file
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "train_shapes.py"
-    spec = importlib.util.spec_from_file_location("train_shapes", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _train_script()
     settings = {**mod.DEFAULTS, "steps": 2, "batch": 4, "warmup": 1, "num_layers": 1}
     torch.set_num_threads(1)
     torch.manual_seed(123)  # weights unlike the seed's initialisation
@@ -237,3 +238,24 @@ def test_training_script_continues_from_init_weights(tmp_path):
     sc, sf = cont.state_dict(), fresh.state_dict()
     assert any(not torch.equal(sc[k], start[k]) for k in sc)
     assert any(not torch.equal(sc[k], sf[k]) for k in sc)
+
+
+def test_training_script_options_change_the_run_and_default_reproduces():
+    """--uniform-t-frac and --category-weights change the training draws; their defaults
+    (absent from the settings) take the shipped model's code path."""
+    import numpy as np
+
+    mod = _train_script()
+    settings = {**mod.DEFAULTS, "steps": 2, "batch": 4, "warmup": 1, "num_layers": 1}
+    torch.set_num_threads(1)
+    base, _ = mod.train(settings, log_every=10**9)
+    same, _ = mod.train({**settings, "uniform_t_frac": 0.0}, log_every=10**9)
+    unif, _ = mod.train({**settings, "uniform_t_frac": 1.0}, log_every=10**9)
+    sb, ss, su = base.state_dict(), same.state_dict(), unif.state_dict()
+    assert all(torch.equal(sb[k], ss[k]) for k in sb)
+    assert any(not torch.equal(sb[k], su[k]) for k in sb)
+    # category weights: all mass on one category draws only its prompts
+    caps = mod.sample_captions(50, np.random.default_rng(0), [0, 0, 0, 0, 1, 0])
+    from jagg_autograd.tasks.shapes_scenes import parse_prompt
+
+    assert {parse_prompt(c).category for c in caps} == {"position"}
