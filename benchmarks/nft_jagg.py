@@ -63,7 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "loop4": dict(nft_timesteps=4),
     # jagg9_a4 with the old-policy values in calls of 64 samples: on a CPU the one stacked
     # no-grad call of 9 x 32 = 288 samples runs its elementwise ops out of cache (GELU took
-    # 1.7x as long per sample as in the loop's 32-sample calls under cProfile).
+    # 1.7x as long per sample as in the loop's 32-sample calls under cProfile).  chunk_size
+    # also sizes the deferred anchor chunks: 2 anchors of 32 alive, 2x the saved bytes.
     "jagg9_a4_c64": dict(nft_timesteps=9, nft_noise="shared", nft_gradient="jagg", window=4,
                          chunk_size=64),
 }

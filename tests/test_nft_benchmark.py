@@ -19,8 +19,11 @@ def test_nft_jagg_benchmark_quick(run_benchmark) -> None:
     assert all(t > 0 for t in res["time"]["median_s"].values())
     mem = res["memory"]["ratio_to_loop9"]
     assert set(mem) == names
-    # One timestep's activations alive at a time in every variant (deferred: one chunk).
-    assert max(mem.values()) <= 1.15, mem
+    # One timestep's activations alive at a time in every variant (deferred: one chunk),
+    # except with chunk_size=64, whose anchor chunks hold 64 samples: 64 / B anchors.
+    per_chunk = 64 / (4 * res["config"]["prompts_per_step"])
+    assert max(v for n, v in mem.items() if n != "jagg9_a4_c64") <= 1.15, mem
+    assert mem["jagg9_a4_c64"] <= 1.15 * per_chunk, mem
     for n in ("jagg9_a4", "jagg9_a3", "jagg9_ad4"):
         f = res["fidelity"][n]
         assert len(f["cosines"]) == res["fidelity"]["batches"] == 4
