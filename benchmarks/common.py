@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -99,6 +100,47 @@ class Stopwatch:
 def median(xs: Iterable[float]) -> float:
     """Median of a non-empty iterable."""
     return float(statistics.median(list(xs)))
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[int], Any]], reps: int, ref: str
+) -> dict[str, Any]:
+    """Time ``fns[name](seed)`` (CPU, wall-clock): one warm-up call each, then ``reps``
+    repetitions in a rotating order.  Returns per name the seconds (``all_s``), their
+    median (``median_s``), the median over repetitions of name / ``ref`` in the same
+    repetition (``ratio``: a shared machine's slow stretches hit a repetition's variants
+    alike, so it is steadier than a ratio of medians) and the ratio of medians."""
+    names = list(fns)
+    for n in names:
+        fns[n](0)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[n](1 + r)
+            times[n].append(time.perf_counter() - t0)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    paired = {
+        n: statistics.median(a / b for a, b in zip(times[n], times[ref], strict=True))
+        for n in names
+    }
+    return {
+        "reps": reps,
+        "median_s": med,
+        "all_s": times,
+        "ratio": paired,
+        "ratio_of_medians": {n: med[n] / med[ref] for n in names},
+    }
+
+
+def write_report(out: Path | str, stem: str, res: dict[str, Any], md: str) -> None:
+    """``<out>/<stem>.json`` (``res``) and ``<out>/<STEM>.md`` (``md``), echoing ``md``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem.upper()}.md").write_text(md)
+    print(md)
 
 
 class SavedBytes:

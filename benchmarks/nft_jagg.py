@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,7 @@ if __package__ in (None, ""):  # `python benchmarks/nft_jagg.py`
 
 import torch
 
-from benchmarks.common import machine_info
+from benchmarks.common import interleaved_times, machine_info, write_report
 from jagg_autograd.bias import bias_statistics
 from jagg_autograd.estimators import Minibatch
 from jagg_autograd.grpo import group_advantages
@@ -108,28 +106,10 @@ def train_phase(tr: GRPOTrainer, mb: Minibatch, seed: int) -> torch.Tensor:
 
 
 def time_study(trs: dict[str, GRPOTrainer], mb: Minibatch, reps: int) -> dict[str, Any]:
-    names = list(trs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for n in names:  # warm-up
-        train_phase(trs[n], mb, 0)
-    for r in range(reps):
-        order = names[r % len(names) :] + names[: r % len(names)]  # rotating order
-        for n in order:
-            t0 = time.perf_counter()
-            train_phase(trs[n], mb, 1 + r)
-            times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in times.items()}
-    # The machine is shared: a repetition's ratio (its variants run back to back) is
-    # steadier than a ratio of medians; the median of those is the reported ratio.
-    paired = {n: statistics.median(a / b for a, b in zip(times[n], times["loop9"]))
-              for n in names}  # fmt: skip
-    return {
-        "reps": reps,
-        "median_s": med,
-        "all_s": times,
-        "ratio_to_loop9": paired,
-        "ratio_of_medians": {n: med[n] / med["loop9"] for n in names},
-    }
+    fns = {n: (lambda seed, tr=tr: train_phase(tr, mb, seed)) for n, tr in trs.items()}
+    res = interleaved_times(fns, reps, ref="loop9")
+    res["ratio_to_loop9"] = res.pop("ratio")
+    return res
 
 
 def memory_study(trs: dict[str, GRPOTrainer], mb: Minibatch) -> dict[str, Any]:
@@ -273,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kl:
         trs_kl = trainers(cfg, beta=1e-4)
         res["time_kl"] = time_study(trs_kl, mb, cfg["reps"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "nft_jagg.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "NFT_JAGG.md").write_text(md)
-    print(md)
+    write_report(args.out, "nft_jagg", res, markdown(res))
     return 0
 
 

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ if __package__ in (None, ""):  # `python benchmarks/train_phase.py`
 
 import torch
 
-from benchmarks.common import machine_info
+from benchmarks.common import interleaved_times, machine_info, write_report
 from benchmarks.quality import VARIANTS as STUDY_VARIANTS
 from jagg_autograd.estimators import Minibatch
 from jagg_autograd.grpo import group_advantages
@@ -60,15 +57,13 @@ def trainers(prompts: int) -> dict[str, GRPOTrainer]:
     return out
 
 
-def one_minibatch(tr: GRPOTrainer, mb: Minibatch, seed: int) -> float:
-    """Seconds of one on-policy minibatch's loss + backward through ``tr``'s estimator."""
+def one_minibatch(tr: GRPOTrainer, mb: Minibatch, seed: int) -> None:
+    """One on-policy minibatch's loss + backward through ``tr``'s estimator."""
     tr.optimizer.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
     res = tr.estimator.loss(tr, mb, generator=torch.Generator().manual_seed(seed),
                             on_policy=True, inline_backward=True)  # fmt: skip
     if not res.backward_done:
         res.loss.backward()
-    return time.perf_counter() - t0
 
 
 def study(trs: dict[str, GRPOTrainer], reps: int) -> dict[str, Any]:
@@ -78,18 +73,11 @@ def study(trs: dict[str, GRPOTrainer], reps: int) -> dict[str, Any]:
     traj = ex._sample(prompts, g)
     adv = group_advantages(ex.task.reward(traj.latents[-1], prompts), groups)
     mb = Minibatch(traj, adv, ex.estimator.train_steps(traj.batch_size, g))
-    names = list(trs)
-    for n in names:  # warm-up
-        one_minibatch(trs[n], mb, 0)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(reps):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:  # rotating order
-            times[n].append(one_minibatch(trs[n], mb, r))
-    ratio = {n: statistics.median(a / b for a, b in zip(times[n], times["exact"], strict=True))
-             for n in names}  # fmt: skip
-    return {"reps": reps, "times": times, "median_s": {n: statistics.median(v) for n, v in
-            times.items()}, "ratio_to_exact": ratio}  # fmt: skip
+    fns = {n: (lambda seed, tr=tr: one_minibatch(tr, mb, seed)) for n, tr in trs.items()}
+    res = interleaved_times(fns, reps, ref="exact")
+    res["ratio_to_exact"] = res.pop("ratio")
+    res["times"] = res.pop("all_s")
+    return res
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -126,12 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,
     }
     res["time"] = study(trainers(cfg["prompts_per_step"]), cfg["reps"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_phase.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "TRAIN_PHASE.md").write_text(md)
-    print(md)
+    write_report(args.out, "train_phase", res, markdown(res))
     return 0
 
 
