@@ -87,6 +87,24 @@ def test_half_groups_per_minibatch_do_not_warn():
     assert _run("eager", "linear", halves, calls=12) == []
 
 
+def test_a_minibatch_repeated_per_timestep_counts_once():
+    # Flow-GRPO's loop: the loss per timestep with the same advantages.  A minibatch of the
+    # top halves of its groups (then one of the bottom halves) has z ~ 2.5; counted once
+    # per timestep (T = 10) it would read sqrt(10) * 2.5 ~ 8 > Z_WARN and warn falsely.
+    norm = [_group_normalised(i) for i in range(4)]
+
+    def halves(i: int) -> torch.Tensor:
+        a = norm[i // 20]
+        top = torch.cat([g.sort(descending=True).values[:2] for g in a.view(2, G)])
+        bottom = torch.cat([g.sort(descending=True).values[2:] for g in a.view(2, G)])
+        part = top if (i // 10) % 2 == 0 else bottom
+        return torch.cat([part, part])
+
+    z_first = float(halves(0).sum() / halves(0).square().sum().sqrt())
+    assert 2.0 < z_first < Z_WARN < 10**0.5 * z_first  # the case the dedupe is for
+    assert _run("eager", "linear", halves, calls=80) == []
+
+
 def test_causal_fold_and_no_jagg_do_not_warn():
     assert _run("eager", "causal", _raw_rewards) == []
     assert _run("exact", "linear", _raw_rewards) == []

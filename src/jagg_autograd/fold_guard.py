@@ -20,10 +20,14 @@ normalised within whole groups sum to 0 over a rollout, so the accumulated stati
 
 stays O(1) (a minibatch holding part of a group adds a random +-O(1) that the rest of the
 group takes back), while advantages of mean m and RMS s give z = sqrt(N) m / s, which
-passes :data:`Z_WARN` within a few minibatches.  Only then is the loss's autograd graph
-searched (a few hundred nodes at most) for a JAGG call of the linear fold: the eager and
-deferred Functions carry their fold on their graph node (:func:`mark_fold`).  The warning
-is given once per process (:func:`reset_guard` re-arms it).
+passes :data:`Z_WARN` within a few minibatches.  A call whose advantages have the same sum,
+sum of squares and count as the previous call's is the same minibatch at another timestep
+(Flow-GRPO's loop calls the loss once per step with the same advantages) and is not
+counted again: counting it T times would scale a minibatch's transient z by sqrt(T).  Only
+past the threshold is the loss's autograd graph searched (a few hundred nodes at most) for
+a JAGG call of the linear fold: the eager and deferred Functions carry their fold on their
+graph node (:func:`mark_fold`).  The warning is given once per process
+(:func:`reset_guard` re-arms it).
 
 Not caught: advantages that are zero-mean over the batch but not within each group (a
 batch-level baseline); the per-sample bias depends on the prompt, so those cancel only
@@ -60,6 +64,7 @@ class _Guard:
         self.squares = 0.0
         self.count = 0
         self.warned = False
+        self.last: tuple[float, float, int] | None = None
 
 
 _GUARD = _Guard()
@@ -103,8 +108,9 @@ def note_advantages(log_prob: torch.Tensor, total: float, squares: float, count:
     warn once if they have a non-zero mean while ``log_prob`` comes through a JAGG call of
     the linear fold (see the module docstring for the statistic and its threshold)."""
     g = _GUARD
-    if g.warned:
+    if g.warned or (total, squares, count) == g.last:
         return
+    g.last = (total, squares, count)
     g.total += total
     g.squares += squares
     g.count += count

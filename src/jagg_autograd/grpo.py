@@ -494,11 +494,9 @@ def grpo_loss(
     # One host sync for all finiteness checks and the advantages' sum and sum of squares
     # (the linear fold's guard, jagg_autograd.fold_guard); work out which argument is
     # non-finite only on failure.
-    a64 = advantages.detach().to(torch.float64)
+    a32 = advantages.detach().float()  # float32: float64 is not on every device (MPS)
     finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).all()
-    ok, a_sum, a_sq = torch.stack(
-        [finite.to(torch.float64), a64.sum(), a64.square().sum()]
-    ).tolist()
+    ok, a_sum, a_sq = torch.stack([finite.float(), a32.sum(), a32.square().sum()]).tolist()
     if not ok:
         for name, t in named:
             bad = ~torch.isfinite(t.detach())
