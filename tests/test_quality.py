@@ -171,7 +171,13 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
     assert lose["met"] is False and lose["measured"] == pytest.approx(-0.009)
     wc = rows[f"{DEFAULT}: reward vs wall-clock above exact at every evaluation after the initial"]
     assert wc["met"] is True and wc["measured"] > 0
-    assert rows["exact GRPO raises the held-out reward"]["measured"] == pytest.approx(0.31)
+    gain = rows["exact GRPO raises the held-out reward by > 0"]
+    assert gain["measured"] == pytest.approx(0.31) and gain["met"] is True
+    # Shapes has issue 21's bars: exact gains >= 0.08, the default within 2 % at <= 0.5.
+    sh_rows = {r["target"]: r for r in target_rows("shapes", agg, per_seed)}
+    assert sh_rows["exact GRPO raises the held-out reward by > 0.08"]["met"] is True
+    assert sh_rows[f"{DEFAULT}: final held-out reward within 2 % of exact"]["met"] is True
+    assert sh_rows[f"{DEFAULT}: training phase <= 0.5 of exact (on-policy minibatches)"]["met"]
     nft = rows["nft vs exact: reward vs wall-clock (stated)"]
     assert nft["met"] is None and "exact ahead" in nft["detail"]
 
@@ -234,10 +240,13 @@ def test_quick_json(quick_run: Path):
         B = t["study"]["prompts_per_step"] * t["study"]["group_size"]
         grad = {n: a["grad_samples_per_step"]["mean"] for n, a in agg.items()}
         fwd = {n: a["forward_samples_per_step"]["mean"] for n, a in agg.items()}
-        # T = 10: exact runs every step with grad; equal backward budget of 4 per sample.
-        assert grad["exact"] == fwd["exact"] == 10 * B
-        assert grad["subsample_4"] == grad["mixgrpo_W4"] == 4 * B
-        assert fwd["uniform"] == grad["uniform"] == 4 * B
+        # digits trains all T = 10 steps (window 4: 4 anchors), shapes the first 5
+        # (window 5: 2 anchors); exact runs every trained step with grad.
+        trained, anchors = (10, 4) if task == "digits" else (5, 2)
+        assert grad["exact"] == fwd["exact"] == trained * B
+        if "subsample_4" in agg:
+            assert grad["subsample_4"] == grad["mixgrpo_W4"] == 4 * B
+        assert fwd["uniform"] == grad["uniform"] == anchors * B
         assert agg["exact"]["peak_saved_rel"] == pytest.approx(1.0)
         if "eager" in agg:
             assert grad["eager"] == 4 * B and fwd["eager"] == 10 * B

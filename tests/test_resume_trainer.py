@@ -54,8 +54,11 @@ def _run(out: Path, *args: str) -> int:
         # random timesteps (the estimator's draws from the restored generator).
         ["--tuning", "lora", "--lora-rank", "2", "--lr", "1e-3", "--timestep-fraction", "0.5",
          "--timestep-selection", "random", "--mode", "exact"],
+        # Evaluations at the EMA of the weights (its average and step count restored), and
+        # Flow-GRPO's global-std advantages.
+        ["--ema-decay", "0.5", "--ema-every", "1", "--global-std", "--eval-every", "1"],
     ],
-    ids=["full-beta-probe", "lora-exact-random"],
+    ids=["full-beta-probe", "lora-exact-random", "ema-global-std"],
 )  # fmt: skip
 def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -70,7 +73,8 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, extra):
     assert got["resumed_from"][0]["step"] == 2
     assert [_no_time(r) for r in want["steps"]] == [_no_time(r) for r in got["steps"]]
     assert [_no_time(e) for e in want["evals"]] == [_no_time(e) for e in got["evals"]]
-    assert [e["step"] for e in got["evals"]] == ([0, 2, 4] if "--eval-every" in extra else [0, 4])
+    every = int(extra[extra.index("--eval-every") + 1]) if "--eval-every" in extra else 4
+    assert [e["step"] for e in got["evals"]] == list(range(0, 5, every))
     # The timing totals continue the first run's.
     assert got["train_seconds"] > first["train_seconds"]
     # Bit-identical weights and optimizer moments in the final checkpoints.
@@ -86,6 +90,14 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, extra):
     assert (split / "grid.png").is_file() and got.get("grid")
     state = json.loads((split / "checkpoint-4" / "state.json").read_text())
     assert state["extra"]["grid_first"]["step"] == 0
+    if "--ema-decay" in extra:
+        assert state["extra"]["ema_updates"] == 4
+        ea = load_file(str(straight / "checkpoint-4" / "extra.safetensors"))
+        eb = load_file(str(split / "checkpoint-4" / "extra.safetensors"))
+        ema = [k for k in ea if k.startswith("ema.")]
+        assert len(ema) == len(wa) and all(torch.equal(ea[k], eb[k]) for k in ema)
+        # The average is not the raw weights (the evaluations saw something else).
+        assert any(not torch.equal(ea[f"ema.{i}"], w) for i, w in enumerate(wa.values()))
 
 
 def _one_step_checkpoint(out: Path) -> None:

@@ -141,6 +141,14 @@ def test_probe_exact_is_one_and_does_not_change_the_run():
     assert 0.0 < pr["probe_cosine"] <= 1.0 and pr["probe_rel_error"] > 0
     ex = GRPOTrainer(GRPOConfig(**dict(base, mode="exact"), probe_every=1)).probe()
     assert ex["probe_cosine"] == pytest.approx(1.0, abs=1e-12) and ex["probe_rel_error"] == 0.0
+    # A prefix of the steps (Flow-GRPO's timestep_fraction): the oracle is exact over the
+    # same prefix, so exact scores 1 there too (against all T it would not), and JAGG over
+    # the prefix is compared with it.
+    pre = dict(base, num_steps=8, timestep_fraction=0.5, window=4)
+    ex = GRPOTrainer(GRPOConfig(**dict(pre, mode="exact"), probe_every=1)).probe()
+    assert ex["probe_cosine"] == pytest.approx(1.0, abs=1e-12) and ex["probe_rel_error"] == 0.0
+    jp = GRPOTrainer(GRPOConfig(**pre, probe_every=1)).probe()
+    assert 0.5 < jp["probe_cosine"] < 1.0
     with_probe = train(GRPOConfig(**base, probe_every=1))
     without = train(GRPOConfig(**base))
     key = lambda log: [(r["reward_mean"], r["loss"]) for r in log["steps"]]  # noqa: E731

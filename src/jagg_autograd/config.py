@@ -192,6 +192,14 @@ class GRPOConfig:
                                           "step (one JAGG call per minibatch covers all its "
                                           "trained steps)")  # fmt: skip
     num_inner_epochs: int = _f(1, "optimisation", "passes over the rollout's minibatches")
+    global_std: bool = _f(False, "optimisation", "advantages divided by the std of the "
+                          "whole rollout, not each group's (Flow-GRPO's sample.global_std; "
+                          "its GenEval config: True)")  # fmt: skip
+    ema_decay: float = _f(0.0, "optimisation", "evaluate (and grid) an EMA of the trained "
+                          "weights with this decay (each evaluation also logs the raw weights' "
+                          "raw_mean_reward); rollouts use the raw ones (0: off; Flow-GRPO's "
+                          "GenEval config: 0.9 every 8 steps)")  # fmt: skip
+    ema_every: int = _f(1, "optimisation", "optimizer steps between EMA updates")
     tuning: str = _f("full", "optimisation", "full fine-tuning or LoRA adapters (needs peft)",
                      choices=TUNING)  # fmt: skip
     lora_rank: int = _f(8, "optimisation", "LoRA rank (--tuning lora)")
@@ -342,7 +350,8 @@ def _optional(ok: Callable[[Any, GRPOConfig], bool]) -> Callable[[Any, GRPOConfi
 
 _FIELD_META = {f.name: f.metadata for f in dataclasses.fields(GRPOConfig)}
 _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_steps_per_rollout",
-            "gradient_accumulation_steps", "num_inner_epochs", "lora_rank")  # fmt: skip
+            "gradient_accumulation_steps", "num_inner_epochs", "lora_rank",
+            "ema_every")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
             "timestep_selection", "sde_type", "nft_noise", "nft_gradient",
             "report_to", "fold")  # fmt: skip
@@ -365,7 +374,8 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("jagg_frac",), _optional(lambda v, c: _is_real(v) and 0.0 <= v <= 1.0), "None or in [0, 1]"),
     (("window",), lambda v, c: _is_int(v) and 2 <= v <= c.num_steps,
      "an int in [2, num_steps={c.num_steps}]"),
-    (("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop", "track_memory"),
+    (("shared_anchors", "reuse_values", "deferred", "progress", "exact_loop", "track_memory",
+      "global_std"),
      lambda v, c: isinstance(v, bool), "a bool"),
     (("noise_level", "shift", "lr", "adv_clip_max"), lambda v, c: _is_real(v) and v > 0,
      "a finite number > 0"),
@@ -373,6 +383,7 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
      "a finite number >= 0"),
     (("threshold",), lambda v, c: _is_real(v), "a finite number"),
     (("max_grad_norm",), _optional(lambda v, c: _is_real(v) and v > 0), "None or > 0"),
+    (("ema_decay",), lambda v, c: _is_real(v) and 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     (("timestep_fraction",), lambda v, c: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
     (("nft_beta",), lambda v, c: _is_real(v) and v > 0, "a finite number > 0"),
     (("nft_timesteps",), _optional(lambda v, c: _is_int(v) and v >= 1),

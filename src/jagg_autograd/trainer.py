@@ -64,6 +64,7 @@ from jagg_autograd.data_parallel import (
     init_process_group_from_env,
     reduce_scalars,
 )
+from jagg_autograd.ema import ParamEMA
 from jagg_autograd.estimators import MODES, Minibatch, mix_window_start
 from jagg_autograd.grpo import group_advantages
 from jagg_autograd.memory import SavedTensorTracker
@@ -222,6 +223,9 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, weight_decay=config.weight_decay
         )
+        # Evaluations (and the grid) see the average; rollouts and the loss the raw weights.
+        self.ema = (ParamEMA(self.params, config.ema_decay, config.ema_every)
+                    if config.ema_decay > 0 else None)  # fmt: skip
         self.estimator = config.estimator()
         self.sigmas = sigma_schedule(config)
         # Disjoint from the training noise stream.
@@ -303,7 +307,8 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
             ]
         ).float()
         rewards = all_gather_samples(rewards, self.layout)
-        return rewards, group_advantages(rewards, batch.groups)  # raises on NaN rewards
+        # raises on NaN rewards
+        return rewards, group_advantages(rewards, batch.groups, global_std=self.config.global_std)
 
     def minibatches(self, trajs: list[Trajectories], adv: torch.Tensor) -> list[Minibatch]:
         """The rollout's minibatches (this rank's rows) with their trained steps and
@@ -363,12 +368,12 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         if c.max_grad_norm is not None:
             gn = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
         else:
-            gn = torch.sqrt(
-                sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None)
-            )
+            gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
         _check_finite(gn.detach(), "gradient norm", self.step_index, where)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
         return gn
 
     def train_step(self) -> dict[str, Any]:
@@ -514,9 +519,7 @@ def train(
             destroy_process_group()
 
 
-def _run(
-    trainer: GRPOTrainer, on_step: Callable[[dict[str, Any]], None] | None
-) -> dict[str, Any]:
+def _run(trainer: GRPOTrainer, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     bar = None
     if trainer.config.progress and trainer.is_main:
         from tqdm.auto import tqdm

@@ -3,7 +3,8 @@
 Checkpoints (``save_every``; :mod:`jagg_autograd.checkpoint`, written by rank 0 in the
 background) hold the trainable tensors by name, the AdamW state, ``generator`` (prompts,
 rollout noise and the estimator's draws, in that order), the global RNG states, the step
-index, the log (with the timing totals) and the first evaluation's grid pictures.  The
+index, the log (with the timing totals), the first evaluation's grid pictures and the
+EMA of the weights (``ema_decay``).  The
 estimators keep no state across GRPO steps (DiffusionNFT's snapshot is retaken at each
 rollout), so nothing else is needed for ``resume_from`` to continue bit for bit.
 
@@ -64,6 +65,9 @@ class CheckpointMixin:
             pics, captions, step = self._grid_rows[0]
             extra["grid_first"] = {"captions": captions, "step": step}
             extra_tensors["grid_first"] = pics
+        if self.ema is not None:
+            extra["ema_updates"] = self.ema.updates
+            extra_tensors.update({f"ema.{i}": v for i, v in enumerate(self.ema.values)})
         self._checkpointer.save(
             c.out, self.step_index, trainable=self.named_trainable(), optimizer=self.optimizer,
             generators={"train": self.generator}, config=self.resume_config(), log=self.log,
@@ -103,6 +107,10 @@ class CheckpointMixin:
         self.step_index = ck.step
         self.rollout_seconds = float(log.get("rollout_seconds", 0.0))
         self.train_seconds = float(log.get("train_seconds", 0.0))
+        if self.ema is not None and "ema_updates" in ck.extra:
+            self.ema.load([ck.extra_tensors[f"ema.{i}"] for i in range(len(self.ema.values))],
+                          ck.extra["ema_updates"])  # fmt: skip
+        # (a checkpoint without an average: it starts at the resumed weights)
         first = ck.extra.get("grid_first")
         if first is not None and "grid_first" in ck.extra_tensors:
             self._grid_rows = [(ck.extra_tensors["grid_first"], list(first["captions"]),

@@ -99,7 +99,16 @@ class MeasurementMixin:
     def _record_eval(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         counts = self.policy.forward_samples, self.policy.grad_samples
-        ev = self.evaluate()
+        raw: dict[str, Any] = {}
+        if self.ema is not None:
+            # The raw weights too (what the rollouts use), first: the grid keeps the EMA's.
+            r = self.evaluate()
+            raw = {"raw_mean_reward": r["mean_reward"]}
+            if "strict_accuracy" in r:
+                raw["raw_strict_accuracy"] = r["strict_accuracy"]
+        # Flow-GRPO evaluates its EMA weights when train.ema is on (ema_decay > 0).
+        ev = self.evaluate() if self.ema is None else self.ema.call(self.evaluate)
+        ev.update(raw)
         self.policy.forward_samples, self.policy.grad_samples = counts
         ev.update(
             step=self.step_index,
@@ -127,7 +136,15 @@ class MeasurementMixin:
         traj = self._sample(prompts, g)
         adv = group_advantages(self.task.reward(traj.latents[-1], prompts), groups)
         mb = Minibatch(traj, adv, None)
-        ref = ExactEstimator(c).batched(self, mb, None)
+        # The oracle is exact GRPO on the steps the run trains when they are a fixed prefix
+        # (Flow-GRPO's timestep_fraction makes the prefix's loss the objective: against all
+        # T, a 5-of-10-step run's estimator scored a cosine of 0.08 on shapes, its prefix
+        # against the whole); random per-sample steps (DanceGRPO), subsample and MixGRPO
+        # estimate the all-T gradient.
+        ref_steps = None
+        if c.timestep_selection == "prefix" and self.estimator.uses_timestep_fraction:
+            ref_steps = self.estimator.train_steps(traj.batch_size, g)  # (0, T'): no draw
+        ref = ExactEstimator(c).batched(self, mb, ref_steps)
         g_ref = torch.autograd.grad(ref.loss, self.params, allow_unused=True)
         mb.steps = self.estimator.train_steps(traj.batch_size, g)
         est = self.estimator.loss(self, mb, generator=g, on_policy=True)
@@ -144,8 +161,9 @@ class MeasurementMixin:
         step, and never from the training generator): the exact gradient of the mean GRPO
         loss over all T steps (the batched oracle) against this run's estimator of it on
         the same batch (the routed/JAGG gradient, the subsampled one, or MixGRPO's window of
-        this step).  Nothing is accumulated into ``.grad``; the timings and the training
-        noise stream are untouched.
+        this step).  With ``timestep_fraction < 1`` and prefix selection the oracle is
+        exact GRPO over the trained prefix (the objective the run optimises).  Nothing is
+        accumulated into ``.grad``; the timings and the training noise stream are untouched.
 
         Keys: ``probe_cosine`` / ``probe_rel_error`` (per-batch cosine / relative error,
         the MEAN over the batches: with one batch, that batch's, as before),

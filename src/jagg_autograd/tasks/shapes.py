@@ -53,7 +53,10 @@ class ShapesTask(GRPOTask):
 
     Args:
         guidance_scale: CFG weight of the velocity model (None or 1: no CFG).
-        eval_per_category: evaluation samples per GenEval category (held-out prompts).
+        eval_per_category: evaluation samples per GenEval category (held-out prompts; 64:
+            384 samples, about 10 s with the ODE on one thread).  Fewer are too noisy to
+            judge GRPO by: with 16 (96 samples) models a few steps apart, or the same
+            weights with one module reset, scored 0.42-0.52 (issue 21's trials).
         device: where the model lives (default CPU).
         model: a :class:`~jagg_autograd.models.shapes.ShapesModel` to use instead of the
             shipped one (e.g. in tests).
@@ -61,15 +64,21 @@ class ShapesTask(GRPOTask):
 
     name = "shapes"
     latent_shape = (3, IMAGE_SIZE, IMAGE_SIZE)
-    #: ``jagg-demo --task shapes`` settings (GRPOConfig fields; flags override them).  From
-    #: trials on the shipped model under the earlier reward (all clauses 1, else below 0.5;
-    #: 8 prompts x 4, 10 SDE steps, ODE held-out evaluation 0.304 at the start): lr 3e-5
-    #: gave 0.335 at step 60 / 0.328 at 80, 1e-4 0.295 (flat), 3e-4 fell (0.125 at 40
-    #: steps on the first model); 150 steps take ~6.5 min of one thread.  The ODE
-    #: evaluation is GenEval's protocol (deterministic sampling).
+    #: ``jagg-demo --task shapes`` settings (GRPOConfig fields; flags override them), from
+    #: issue 21's trials on the stage-2 model (benchmarks/results/shapes/SHAPES.md; 8
+    #: prompts x 4, seed 0, 96 held-out prompts): training all 10 steps at lr 3e-5 peaked at
+    #: +0.07 by step 50 and fell back (+0.015 at 150, a 4x4-patch texture); the first 5 steps
+    #: at lr 6e-5 reached +0.096 at step 75 and fell to +0.018; the same run evaluated at
+    #: Flow-GRPO's EMA (0.9 every 8 steps) ended at +0.084 (seed 1: +0.074).  Window 5 over
+    #: the 5 trained steps keeps the default's anchor density (2 of 5).  The ODE evaluation
+    #: is GenEval's protocol; ~8 min on one thread.
     demo_defaults: ClassVar[dict[str, Any]] = {
-        "lr": 3e-5,
+        "lr": 6e-5,
         "steps": 150,
+        "timestep_fraction": 0.5,
+        "window": 5,
+        "ema_decay": 0.9,
+        "ema_every": 8,
         "eval_every": 50,
         "eval_sampler": "ode",
     }
@@ -78,7 +87,7 @@ class ShapesTask(GRPOTask):
         self,
         *,
         guidance_scale: float | None = DEFAULT_GUIDANCE_SCALE,
-        eval_per_category: int = 16,
+        eval_per_category: int = 64,
         device: str | torch.device | None = None,
         model: nn.Module | None = None,
     ) -> None:

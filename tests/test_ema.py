@@ -1,0 +1,113 @@
+"""The EMA of the trained weights (``ema_decay``): Flow-GRPO's update rule, evaluation at the
+average with the raw weights restored, and the trainer's use of it (training untouched,
+evaluations at the average); ``global_std`` reaches the advantages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from jagg_autograd.advantages import group_advantages
+from jagg_autograd.config import GRPOConfig
+from jagg_autograd.ema import ParamEMA
+from jagg_autograd.trainer import GRPOTrainer
+
+
+def _flow_grpo_ema(history: list[torch.Tensor], decay: float, every: int) -> torch.Tensor:
+    """Flow-GRPO's EMAModuleWrapper.step over the weights after each optimizer step."""
+    ema = history[0].clone()  # the weights before training
+    for s, theta in enumerate(history[1:]):
+        if (s + 1) % every == 0:
+            d = min((1 + s) / (10 + s), decay)
+            ema = ema + (1 - d) * (theta - ema)
+    return ema
+
+
+@pytest.mark.parametrize("decay,every", [(0.9, 1), (0.5, 3), (0.95, 8)])
+def test_update_matches_flow_grpo_rule(decay, every):
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 3, generator=g))
+    ema = ParamEMA([p], decay, every)
+    history = [p.detach().clone()]
+    for _ in range(20):
+        with torch.no_grad():
+            p.add_(torch.randn(5, 3, generator=g))
+        ema.update()
+        history.append(p.detach().clone())
+    want = _flow_grpo_ema(history, decay, every)
+    torch.testing.assert_close(ema.values[0], want, rtol=1e-6, atol=1e-6)
+    assert ema.updates == 20
+    assert not torch.allclose(ema.values[0], p.detach())
+
+
+def test_call_sees_the_average_and_restores_the_raw_weights():
+    p = torch.nn.Parameter(torch.zeros(4))
+    ema = ParamEMA([p], 0.9)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.update()  # d_0 = 0.1: the average moves 0.9 of the way
+    seen = ema.call(lambda: p.detach().clone())
+    torch.testing.assert_close(seen, torch.full((4,), 0.9))
+    assert torch.equal(p.detach(), torch.ones(4))
+    with pytest.raises(RuntimeError, match="boom"):  # restored on error too
+        ema.call(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert torch.equal(p.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize("kw", [{"decay": 1.0}, {"decay": 0.0}, {"decay": True},
+                                {"decay": 0.9, "every": 0}])  # fmt: skip
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError, match="decay|every"):
+        ParamEMA([torch.nn.Parameter(torch.zeros(1))], **kw)
+
+
+def test_config_refuses_bad_ema_decay():
+    with pytest.raises(ValueError, match="ema_decay"):
+        GRPOConfig(ema_decay=1.0).validate()
+    with pytest.raises(ValueError, match="ema_every"):
+        GRPOConfig(ema_every=0).validate()
+
+
+_TINY = GRPOConfig(steps=3, prompts_per_step=2, group_size=2, num_steps=4, window=2,
+                   eval_per_digit=1, grid_samples=0, progress=False, lr=1e-3)  # fmt: skip
+
+
+def test_trainer_trains_the_raw_weights_and_evaluates_the_average():
+    plain = GRPOTrainer(_TINY)
+    ema = GRPOTrainer(dataclasses.replace(_TINY, ema_decay=0.8))
+    history = [[p.detach().clone() for p in ema.params]]
+    for _ in range(_TINY.steps):
+        a, b = plain.step(), ema.step()
+        history.append([p.detach().clone() for p in ema.params])
+        # The average never feeds back into training: every step is the plain run's.
+        assert {k: v for k, v in a.items() if "seconds" not in k} == {
+            k: v for k, v in b.items() if "seconds" not in k
+        }
+    for i, v in enumerate(ema.ema.values):
+        want = _flow_grpo_ema([h[i] for h in history], 0.8, 1)
+        torch.testing.assert_close(v, want, rtol=1e-6, atol=1e-6)
+    # The final evaluation is the evaluation at the averaged weights.
+    ev = ema.finish()["evals"][-1]
+    with torch.no_grad():
+        raw = [p.detach().clone() for p in ema.params]
+        for p, v in zip(ema.params, ema.ema.values):
+            p.copy_(v)
+        at_avg = ema.evaluate()
+        for p, r in zip(ema.params, raw):
+            p.copy_(r)
+    assert ev["mean_reward"] == at_avg["mean_reward"]
+    # ... and it carries the raw weights' score too (what the rollouts use).
+    assert ev["raw_mean_reward"] == ema.evaluate()["mean_reward"]
+    assert plain.finish()["evals"][-1]["mean_reward"] == plain.evaluate()["mean_reward"]
+
+
+def test_global_std_reaches_the_advantages():
+    tr = GRPOTrainer(dataclasses.replace(_TINY, global_std=True, prompts_per_step=3,
+                                         eval_per_digit=0))  # fmt: skip
+    batch = tr.rollout()
+    rewards, adv = tr.advantages(batch)
+    torch.testing.assert_close(adv, group_advantages(rewards, batch.groups, global_std=True))
+    per_group = group_advantages(rewards, batch.groups)
+    assert not torch.allclose(adv, per_group)
