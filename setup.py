@@ -7,11 +7,16 @@ The Triton kernels live in the top-level ``kernels/`` folder and install as
 from setuptools import find_packages, setup
 
 _TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "triton>=3.0"]
-_DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", "transformers>=4.40", "accelerate>=0.34"]
+# transformers 5.25 requires Hugging Face's `kernels` package and imports it whenever
+# diffusers loads its peft integration; run from this repository's root (`python -m ...`,
+# pytest) the top-level `kernels/` folder (installed as jagg_autograd.kernels) shadows it
+# and the import fails.  Held below 5.25 until the folder is renamed.
+_TRANSFORMERS = "transformers>=4.40,<5.25"
+_DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", _TRANSFORMERS, "accelerate>=0.34"]
 _DEMO = [
     "diffusers>=0.31",
     "peft>=0.13",  # jagg-demo --tuning lora, the LoRA adapters and the KL reference
-    "transformers>=4.40",
+    _TRANSFORMERS,
     "safetensors>=0.4",
     "scikit-learn>=1.3",
     "matplotlib>=3.7",
