@@ -6,7 +6,8 @@ Flow-GRPO's GenEval and OCR runs evaluate (and save) an EMA of the trainable wei
 loss use the raw weights.  A GRPO gradient is mostly noise (97-99 % of a batch's, issue
 18), and AdamW moves every weight by about ``lr`` per step whatever its gradient's size,
 so the raw weights also random-walk; the average keeps the drift the steps share and
-cancels much of that walk.
+cancels much of that walk.  (On the shapes task it kept a +0.08 gain where the raw weights
+fell back below the start, and cost some while they still rose: SHAPES.md.)
 
 Math, after optimizer step ``s`` (0-based) when ``(s + 1) % every == 0``::
 

@@ -54,9 +54,10 @@ class ShapesTask(GRPOTask):
     Args:
         guidance_scale: CFG weight of the velocity model (None or 1: no CFG).
         eval_per_category: evaluation samples per GenEval category (held-out prompts; 64:
-            384 samples, about 10 s with the ODE on one thread).  Fewer are too noisy to
-            judge GRPO by: with 16 (96 samples) models a few steps apart, or the same
-            weights with one module reset, scored 0.42-0.52 (issue 21's trials).
+            384 samples, about 22 s with the ODE on one thread beside another job).  Fewer
+            are too noisy to judge GRPO by: with 16 (96 samples) models a few steps apart,
+            or the same weights with one module reset, scored 0.42-0.52 (issue 21's
+            trials).
         device: where the model lives (default CPU).
         model: a :class:`~jagg_autograd.models.shapes.ShapesModel` to use instead of the
             shipped one (e.g. in tests).
@@ -71,7 +72,8 @@ class ShapesTask(GRPOTask):
     #: at lr 6e-5 reached +0.096 at step 75 and fell to +0.018; the same run evaluated at
     #: Flow-GRPO's EMA (0.9 every 8 steps) ended at +0.084 (seed 1: +0.074).  Window 5 over
     #: the 5 trained steps keeps the default's anchor density (2 of 5).  The ODE evaluation
-    #: is GenEval's protocol; ~8 min on one thread.
+    #: is GenEval's protocol; 9.2 min on one thread (a third of it evaluations: with the EMA
+    #: each scores the averaged and the raw weights).
     demo_defaults: ClassVar[dict[str, Any]] = {
         "lr": 6e-5,
         "steps": 150,
