@@ -42,7 +42,24 @@ def _launch(out: Path, nproc: int, extra: list[str]) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), *demo]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0 and _teardown_abort(res.stderr, out):
+        # gloo's teardown at exit sometimes aborts a rank after the run has finished and
+        # written everything (about 1 CI run in 5; the trainer already leaves the group
+        # together).  Not a result of the run: launch it once more, from scratch.
+        for f in sorted(out.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _teardown_abort(stderr: str, out: Path) -> bool:
+    """The known gloo abort at process exit, after a finished run (rank 0's log says so)."""
+    log = out / "log.json"
+    return (
+        "terminate called without an active exception" in stderr
+        and log.is_file()
+        and json.loads(log.read_text()).get("status") == "finished"
+    )
 
 
 @pytest.mark.parametrize(
