@@ -103,9 +103,7 @@ class MeasurementMixin:
         if self.ema is not None:
             # The raw weights too (what the rollouts use), first: the grid keeps the EMA's.
             r = self.evaluate()
-            raw = {"raw_mean_reward": r["mean_reward"]}
-            if "strict_accuracy" in r:
-                raw["raw_strict_accuracy"] = r["strict_accuracy"]
+            raw = {f"raw_{k}": r[k] for k in ("mean_reward", "strict_accuracy") if k in r}
         # Flow-GRPO evaluates its EMA weights when train.ema is on (ema_decay > 0).
         ev = self.evaluate() if self.ema is None else self.ema.call(self.evaluate)
         ev.update(raw)
