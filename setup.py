@@ -1,17 +1,15 @@
 """Packaging for jagg-autograd.
 
-The Triton kernels live in the top-level ``kernels/`` folder and install as
-``jagg_autograd.kernels``; everything else comes from ``src/``.
+Everything installs from ``src/``; the Triton kernels are ``src/jagg_autograd/kernels/``.
 """
 
 from setuptools import find_packages, setup
 
 _TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "triton>=3.0"]
-# transformers 5.25 requires Hugging Face's `kernels` package and imports it whenever
-# diffusers loads its peft integration; run from this repository's root (`python -m ...`,
-# pytest) the top-level `kernels/` folder (installed as jagg_autograd.kernels) shadows it
-# and the import fails.  Held below 5.25 until the folder is renamed.
-_TRANSFORMERS = "transformers>=4.40,<5.25"
+# transformers >= 5.25 imports Hugging Face's top-level `kernels` package: nothing in this
+# repository may be an importable top-level `kernels` (the Triton kernels used to be the
+# repository root's kernels/ folder, which shadowed it under `python -m` and pytest).
+_TRANSFORMERS = "transformers>=4.40"
 _DIFFUSERS = ["diffusers>=0.31", "peft>=0.13", _TRANSFORMERS, "accelerate>=0.34"]
 _DEMO = [
     "diffusers>=0.31",
@@ -36,8 +34,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    package_dir={"": "src", "jagg_autograd.kernels": "kernels"},
-    packages=find_packages("src") + ["jagg_autograd.kernels"],
+    package_dir={"": "src"},
+    packages=find_packages("src"),
     package_data={"jagg_autograd": ["assets/*.safetensors", "assets/*.json"]},
     # 2.13.0 (the CPU build CI pins) satisfies this range; a bare "torch" would let a
     # resolver pull a multi-GB CUDA build on machines that have no torch yet.
