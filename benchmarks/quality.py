@@ -994,13 +994,16 @@ def plots(task: str, res: dict[str, Any], out: Path) -> None:
 
 
 def estimate_job_seconds(task: str, names: Sequence[str], study: dict[str, Any]) -> float:
-    """Seconds of one (task, seed) lockstep job from :data:`COSTS` (full-size settings)."""
+    """Seconds of one (task, seed) lockstep job from :data:`COSTS` (full-size settings; a
+    step's cost scaled by its samples against the task's default prompts x group)."""
     c = COSTS[task]
     steps = study["steps"]
+    base = TASKS[task]["prompts_per_step"] * TASKS[task]["group_size"]
+    scale = study["prompts_per_step"] * study["group_size"] / base
     evals = 2 + (steps - 1) // study["eval_every"] if study["eval_every"] else 2
     pe = study["probe_every"]
     probes = (steps + pe - 1) // pe if pe else 0
-    per = [steps * sum(c["step"][n]) + evals * c["eval"] + c["init"]
+    per = [steps * scale * sum(c["step"][n]) + evals * c["eval"] + c["init"]
            + (0 if VARIANTS[n].get("probe_every") == 0
               else probes * c["probe"] * study.get("probe_batches", 1))
            for n in names]  # fmt: skip
@@ -1141,6 +1144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="override the fresh batches per probe (>= 3: the bias figures)")
     p.add_argument("--probe-seeds", type=int, nargs="*",
                    help="only these seeds carry the gradient probes (default: the task's)")
+    p.add_argument("--prompts-per-step", type=int, help="override the prompts per step")
+    p.add_argument("--group-size", type=int,
+                   help="override the samples per prompt (a lever: issue 21's larger group)")
     p.add_argument("--workers", type=int, help="processes, one thread each (default 2; quick 1)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                    help="these variants instead of the task's list (exact added); any of "
@@ -1158,9 +1164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         p.error(f"--tasks: unknown {bad}; choose from {list(TASKS)}")
+    size = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size}
     studies = studies_for(tasks, args.quick, seeds=args.seeds, steps=args.steps,
                           probe_seeds=args.probe_seeds,
-                          probe_batches=args.probe_batches)  # fmt: skip
+                          probe_batches=args.probe_batches, **size)  # fmt: skip
     want = None if args.variants is None else ["exact", *[n for n in args.variants if n != "exact"]]
     if want is not None:
         for st in studies.values():
@@ -1169,7 +1176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(st["steps"] < 1 or not st["seeds"] for st in studies.values()) or workers < 1:
         p.error("--steps and --workers must be >= 1 and --seeds non-empty")
     if args.plan:
-        full = studies_for(tasks, False, seeds=args.seeds, steps=args.steps)
+        full = studies_for(tasks, False, seeds=args.seeds, steps=args.steps, **size)
         for st in full.values():
             st["variants"] = st["variants"] if want is None else list(want)
         pl = plan(full, workers)

@@ -18,7 +18,10 @@ about 39 min and stage 2 33 min with its evaluations.  At the trainer's sampler 
 eta 0.7, 192 held-out prompts) stage 2 moved the mean reward 0.331 -> 0.421 and the strict
 accuracy 0.208 -> 0.307 (position 0.03 -> 0.16, colour attribution 0.00 -> 0.09, two
 objects 0.09 -> 0.19, colours 0.56 -> 0.78); its meta file keeps stage 1's settings and
-figures under ``init``.  The paragraph below is about stage 1.
+figures under ``init``.  A third stage (3000 more steps at lr 3e-4, position and colour
+attribution drawn 3x / 4x) made two objects and position worse at the same sampler (strict
+0.19 -> 0.09, 0.16 -> 0.03) and was not kept (benchmarks/results/shapes/SHAPES.md).  The
+paragraph below is about stage 1.
 
 Rectified-flow pre-training of :class:`jagg_autograd.models.shapes.ShapesModel` on clean
 renders of the task's prompts (:mod:`jagg_autograd.tasks.shapes_scenes`), drawn on the fly:

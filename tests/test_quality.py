@@ -205,6 +205,22 @@ def test_every_task_runs_exact_and_the_default_and_the_plan_fits():
     assert studies_for(["shapes"], quick=True, steps=5)["shapes"]["steps"] == 5
 
 
+def test_a_larger_group_reaches_every_run_and_scales_the_plan():
+    # --group-size / --prompts-per-step (issue 21's levers): every variant's config gets the
+    # group, and the plan's step costs scale with the samples per step (evaluations do not).
+    base = studies_for(["shapes"], quick=False)["shapes"]
+    big = studies_for(["shapes"], quick=False, group_size=8, prompts_per_step=None)["shapes"]
+    assert big["group_size"] == 8 and big["prompts_per_step"] == base["prompts_per_step"]
+    for name in big["variants"]:
+        cfg = variant_config(name, 0, "shapes", big)
+        assert (cfg.group_size, cfg.prompts_per_step) == (8, base["prompts_per_step"])
+    no_eval = {"eval_every": 0, "probe_every": 0}
+    one = plan({"shapes": {**base, **no_eval, "seeds": [0]}}, 1)["worker_seconds"]
+    two = plan({"shapes": {**big, **no_eval, "seeds": [0]}}, 1)["worker_seconds"]
+    fixed = plan({"shapes": {**base, **no_eval, "seeds": [0], "steps": 0}}, 1)["worker_seconds"]
+    assert two - fixed == pytest.approx(2 * (one - fixed))
+
+
 def test_lockstep_equals_standalone_runs_and_shares_prompts():
     """Interleaving the variants' steps in one process changes nothing in any run, and
     every variant of a seed trains on the same prompts (reseeded per step)."""
