@@ -4,6 +4,7 @@ that keep their log (issue 11; issue 14 items 10 and 11)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -181,6 +182,48 @@ def test_policy_log_probs_on_policy_and_selection():
         for b in range(B):
             assert res.old_log_probs[j, b] == tr.log_probs[ks[j, b], b]
     assert select_steps(T, B, 4, "prefix") == (0, 4)
+
+
+class _TableField(_Field):
+    """_Field plus a SHARED ``(B, B)`` table (dim 0 == B by coincidence): tiling it per
+    stacked step, as an inferred per-sample key would be, changes the velocity."""
+
+    def forward(self, z, t, target, table):  # type: ignore[override]
+        return super().forward(z, t, target) + 0.1 * table.sum()
+
+
+def test_batched_cond_is_kept_with_the_trajectories_and_honoured(recwarn):
+    from jagg_autograd.estimators.exact import gathered_log_probs
+
+    model, B, T = _TableField(), 3, 5
+    cond = {"target": torch.randn(B, 3), "table": torch.randn(B, B)}
+    sig = torch.linspace(1, 0, T + 1, dtype=torch.float64)
+    tr = sample_trajectories(model, torch.randn(B, 3), sig, cond=cond, batched_cond=["target"],
+                             generator=torch.Generator().manual_seed(3))  # fmt: skip
+    assert tr.batched_cond == frozenset({"target"})
+    # Stacked recomputation (the core, and the exact loop's gathered steps) on-policy: the
+    # rollout's log-probs, only if the table went in as it is.
+    for mode in ("exact", "jagg"):
+        res = policy_log_probs(model, tr, mode=mode, window=3)
+        torch.testing.assert_close(res.log_probs.detach(), tr.log_probs, rtol=0, atol=1e-5)
+    lp, old, _ = gathered_log_probs(model, tr, noise_level=0.7, num=3, batching="stacked",
+                                    generator=torch.Generator().manual_seed(4))  # fmt: skip
+    torch.testing.assert_close(lp.detach(), old, rtol=0, atol=1e-5)
+    assert not [w for w in recwarn if "batched_cond" in str(w.message)]
+    # Unsaid, the core infers the table as per-sample and says so.
+    with pytest.warns(UserWarning, match="batched_cond"):
+        policy_log_probs(model, dataclasses.replace(tr, batched_cond=None), mode="exact")
+    with pytest.raises(ValueError, match="batched_cond names 'nope'"):
+        sample_trajectories(model, torch.randn(B, 3), sig, cond=cond, batched_cond=["nope"])
+
+
+def test_the_trainer_says_which_cond_keys_are_per_sample():
+    # A task's cond(prompts) is per prompt by contract: every tensor key is declared.
+    trainer = GRPOTrainer(GRPOConfig(task="shapes", eval_per_digit=0, prompts_per_step=2,
+                                     group_size=2, steps=1, threads=1))  # fmt: skip
+    prompts = trainer.task.sample_prompts(2, torch.Generator().manual_seed(0))
+    tr = trainer._sample(prompts, torch.Generator().manual_seed(0))
+    assert tr.batched_cond == frozenset(trainer.task.cond(prompts)) and len(tr.batched_cond) == 4
 
 
 def test_flow_match_sigmas_equal_diffusers():

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from jagg_autograd.checks import check_cond
 from jagg_autograd.grpo import ode_step, sde_step_with_logprob
 from jagg_autograd.window import jagg_trajectory
 
@@ -58,6 +59,9 @@ class Trajectories:
     velocities: torch.Tensor | None
     cond: dict[str, Any] = field(default_factory=dict)
     sde_type: str = "flow"
+    # The cond keys that hold one row per sample (dim 0 = B), passed to the core as
+    # ``batched_cond=``; None: the core infers them (and warns where a tensor is ambiguous).
+    batched_cond: frozenset[str] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -107,6 +111,7 @@ def sample_trajectories(
     sde_steps: Collection[int] | None = None,
     sde_type: str = "flow",
     store_velocities: bool = True,
+    batched_cond: Collection[str] | None = None,
 ) -> Trajectories:
     """Sample B trajectories from ``noise`` along ``sigmas``, storing what training needs.
 
@@ -125,6 +130,8 @@ def sample_trajectories(
             :func:`~jagg_autograd.grpo.flow_match_sigmas`), or ``(T + 1, B)`` per sample.
         cond: keyword arguments of the model, unchanged at every step.
         store_velocities: keep ``velocities`` ``(T, B, *S)`` (for ``values=``).
+        batched_cond: the keys of ``cond`` with one row per sample (dim 0 = B), kept for
+            the training phase's core calls (:func:`policy_log_probs`); None: inferred there.
 
     Returns:
         :class:`Trajectories`.
@@ -136,6 +143,8 @@ def sample_trajectories(
     if sde_type not in ("flow", "dance"):
         raise ValueError(f"sde_type must be 'flow' or 'dance', got {sde_type!r}")
     cond = dict(cond or {})
+    if batched_cond is not None:
+        batched_cond = check_cond(cond, n, noise.device, batched_cond)[1]
     T = sigmas.shape[0] - 1
     sde = set(range(T)) if sde_steps is None else {int(k) for k in sde_steps}
     s = _sigma_list_or_none(sigmas)
@@ -178,6 +187,7 @@ def sample_trajectories(
         torch.stack(vs) if store_velocities else None,
         cond,
         sde_type,
+        batched_cond,
     )
 
 
@@ -347,6 +357,7 @@ def policy_log_probs(
             window=min(window, n),
             shared_anchors=shared_anchors,
             cond=traj.cond,
+            batched_cond=traj.batched_cond,
             mode="exact" if mode == "exact" else "jagg",
             router=router,
             batching=batching,

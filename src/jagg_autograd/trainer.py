@@ -252,11 +252,15 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         (a :class:`ShardedGenerator`: this rank's rows of the single-process draws)."""
         shape = (len(prompts), *self.task.latent_shape)
         noise = draw_randn(shape, generator, dtype=torch.float32).to(self.device)
+        cond = self.task.cond(prompts)
         return sample_trajectories(
             self.policy,
             noise,
             self.sigmas,
-            cond=self.task.cond(prompts),
+            cond=cond,
+            # The task's contract: every tensor of cond(prompts) has one row per prompt --
+            # said, not inferred (a (B, L, D) embedding with D == B is not a shared table).
+            batched_cond=[k for k, v in cond.items() if isinstance(v, torch.Tensor)],
             noise_level=self.config.noise_level,
             generator=generator,
             sde_steps=sde_steps,

@@ -187,10 +187,11 @@ def gathered_log_probs(
         n = zs.shape[0] // B
         cond = {
             k: v.repeat(n, *([1] * (v.dim() - 1)))
-            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B
+            if (k in traj.batched_cond if traj.batched_cond is not None
+                else isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B)
             else v
             for k, v in traj.cond.items()
-        }
+        }  # fmt: skip
         v = model(zs, sig[sl].flatten().to(zs.dtype), **cond)
         _, lp, _, _ = sde_step_with_logprob(
             v,

@@ -39,6 +39,7 @@ from jagg_autograd.nft import (
     nft_noised,
     nft_timesteps_loss,
 )
+from jagg_autograd.rollout import Trajectories
 from jagg_autograd.window import jagg_trajectory
 
 __all__ = ["NFTEstimator", "nft_num_timesteps"]
@@ -199,15 +200,16 @@ class NFTEstimator(Estimator):
         # The old policy's velocities without grad, batched as ``batching`` / ``chunk_size``
         # say: on-policy they are the trained model's values.
         if on_policy or snap is None:
-            v_old = self.velocities(ctx.policy, xt, ts, traj.cond)
+            v_old = self.velocities(ctx.policy, xt, ts, traj)
         else:
-            v_old = snap.call(self.velocities, ctx.policy, xt, ts, traj.cond)
+            v_old = snap.call(self.velocities, ctx.policy, xt, ts, traj)
         v_ref = None
         if ctx.reference is not None:  # without grad, once per minibatch
-            v_ref = self.velocities(ctx.reference, xt, ts, traj.cond)
+            v_ref = self.velocities(ctx.reference, xt, ts, traj)
         kw: dict[str, Any] = {
             "window": min(c.window, xt.shape[0]), "shared_anchors": c.shared_anchors,
-            "cond": traj.cond, "batching": c.batching, "chunk_size": c.chunk_size, "deferred": True,
+            "cond": traj.cond, "batched_cond": traj.batched_cond, "batching": c.batching,
+            "chunk_size": c.chunk_size, "deferred": True,
             "params": ctx.params, "return_stats": True,
         }  # fmt: skip
         if c.placement == "adaptive":
@@ -238,14 +240,15 @@ class NFTEstimator(Estimator):
         )  # fmt: skip
 
     def velocities(
-        self, model: Any, xt: torch.Tensor, ts: torch.Tensor, cond: dict[str, Any]
+        self, model: Any, xt: torch.Tensor, ts: torch.Tensor, traj: Trajectories
     ) -> torch.Tensor:
-        """``model`` at every ``(K, B)`` input without grad, ``(K, B, *S)``: the library's
-        value path (stacked: ``chunk_size`` samples per call, one call by default)."""
+        """``model`` at every ``(K, B)`` input without grad, ``(K, B, *S)``, conditioned as
+        ``traj``: the library's value path (stacked: ``chunk_size`` samples per call, one
+        call by default)."""
         with torch.no_grad():
             return jagg_trajectory(
-                model, xt, ts, window=2, cond=cond, batching=self.config.batching,
-                chunk_size=self.config.chunk_size,
+                model, xt, ts, window=2, cond=traj.cond, batched_cond=traj.batched_cond,
+                batching=self.config.batching, chunk_size=self.config.chunk_size,
             )  # fmt: skip
 
     def timestep_loss(
