@@ -181,17 +181,20 @@ def gathered_log_probs(
     sig, sig_next = sig[ks, bs], sig[ks + 1, bs]
     sigma_max = float(traj.sigmas[1].max())
     slots = [slice(None)] if batching == "stacked" else [slice(j, j + 1) for j in range(num)]
+    per_sample = traj.batched_cond
+    if per_sample is None:  # unsaid: every tensor with one row per sample
+        per_sample = {
+            k for k, v in traj.cond.items()
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B
+        }  # fmt: skip
     lps = []
     for sl in slots:
         zs = z[sl].flatten(0, 1)
         n = zs.shape[0] // B
         cond = {
-            k: v.repeat(n, *([1] * (v.dim() - 1)))
-            if (k in traj.batched_cond if traj.batched_cond is not None
-                else isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B)
-            else v
+            k: v.repeat(n, *([1] * (v.dim() - 1))) if k in per_sample else v
             for k, v in traj.cond.items()
-        }  # fmt: skip
+        }
         v = model(zs, sig[sl].flatten().to(zs.dtype), **cond)
         _, lp, _, _ = sde_step_with_logprob(
             v,
