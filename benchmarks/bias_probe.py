@@ -18,8 +18,9 @@ the exact gradient sum_k J_k^T g_k and every estimator's gradient come from ONE 
 forward of all T x B pairs and one VJP each (the estimator's VJP puts the plan's folded
 composites on its anchor pairs and 0 elsewhere: what the deferred backward computes; batch
 0 checks that against ``jagg_trajectory`` itself).  Estimators, all at 4 anchors per sample
-(40 % of exact's with-grad samples): placement uniform (steps 0, 3, 6, 9), adaptive-old (the
-former greedy split of the budget, ``_greedy=True``), adaptive (the group-fair split; with a
+(40 % of exact's with-grad samples): placement uniform (steps 0, 3, 6, 9; the causal
+fold's causal_layout 0, 3, 6, 8), adaptive-old (the former greedy split of the budget,
+``_greedy=True``), adaptive (the group-fair split; with a
 fractional budget also adaptive-random: equal counts, the remainder to random samples); each
 with fold ``linear``, ``causal`` and the candidate ``centered`` (linear fold on A - mean(A),
 causal fold on mean(A) h: needs the advantages, so not a library fold; equals linear for
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from jagg_autograd import bias_statistics, jagg_trajectory
+from jagg_autograd import bias_statistics, causal_layout, jagg_trajectory, trajectory_layout
 from jagg_autograd.bias import adamw_precondition
 from jagg_autograd.grpo import group_advantages, grpo_loss, sde_step_with_logprob
 from jagg_autograd.mix import jagg_mix_slots_ref
@@ -117,7 +118,12 @@ def masks(
     vals = traj.velocities
     mold = adaptive_choice(vals, g, t64, round(budget * B), fold=fold, _greedy=True).mask
     mnew = adaptive_choice(vals, g, t64, round(budget * B), fold=fold).mask
-    uni = uniform_mask(T, B, [0, 3, 6, 9], [(0, 3), (3, 6), (6, 9)], None, t64.device)
+    # What jagg_trajectory(window=4) runs: the window layout (0, 3, 6, 9 for T = 10) for the
+    # linear fold, the same count placed by causal_layout (0, 3, 6, 8) for the causal one.
+    anchors, windows = trajectory_layout(T, 4, True)
+    if fold == "causal":
+        anchors, windows = causal_layout(T, len(anchors))
+    uni = uniform_mask(T, B, anchors, windows, None, t64.device)
     out = {"uniform": uni, "adaptive-old": mold, "adaptive": mnew}
     level, rem = divmod(round(budget * B), B)
     if rem and gen is not None:

@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from jagg_autograd import jagg_mix, jagg_mix_ref, jagg_trajectory, jagg_window
+from jagg_autograd import (
+    CosineRouter,
+    causal_layout,
+    jagg_mix,
+    jagg_mix_ref,
+    jagg_trajectory,
+    jagg_window,
+    trajectory_layout,
+)
 from jagg_autograd.planner import (
     FOLDS,
     adaptive_choice,
@@ -65,6 +73,53 @@ def test_fold_is_validated_before_any_model_call():
     assert calls == []
 
 
+@settings(max_examples=30 if os.environ.get("CI") else 200, deadline=None)
+@given(T=st.integers(1, 40), data=st.data())
+def test_causal_layout_partitions_the_steps_shorter_segments_last(T, data):
+    n = data.draw(st.integers(1, T))
+    anchors, windows = causal_layout(T, n)
+    assert anchors[0] == 0 and len(anchors) == n
+    assert all(a < b for a, b in zip(anchors, anchors[1:]))
+    # The windows partition 0..T-1, each starting at its anchor (the steps folded onto it).
+    assert [w[0] for w in windows] == anchors and windows[-1][1] == T - 1
+    assert all(hi + 1 == lo for (_, hi), (lo, _) in zip(windows, windows[1:]))
+    lengths = [hi - lo + 1 for lo, hi in windows]
+    assert max(lengths) - min(lengths) <= 1
+    assert lengths == sorted(lengths, reverse=True)  # the shorter segments last
+
+
+def test_causal_layout_values_and_bad_input():
+    assert causal_layout(5, 2) == ([0, 3], [(0, 2), (3, 4)])
+    assert causal_layout(5, 3) == ([0, 2, 4], [(0, 1), (2, 3), (4, 4)])
+    assert causal_layout(10, 4) == ([0, 3, 6, 8], [(0, 2), (3, 5), (6, 7), (8, 9)])
+    assert causal_layout(7, 1) == ([0], [(0, 6)])
+    for T, n in ((5, 0), (5, 6), (0, 1)):
+        with pytest.raises(ValueError, match="causal_layout"):
+            causal_layout(T, n)
+    with pytest.raises(TypeError, match="n_anchors"):
+        causal_layout(5, 2.0)
+
+
+def test_only_a_causal_trajectory_without_router_takes_the_causal_layout():
+    model = MLPField(3, seed=2)
+    gen = torch.Generator().manual_seed(2)
+    T, B = 10, 2
+    lat = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    t = _t(T)
+    window_anchors = trajectory_layout(T, 4, True)[0]  # [0, 3, 6, 9]
+
+    def anchors(**kw):
+        return jagg_trajectory(model, lat, t, window=4, return_stats=True, **kw)[1].anchors
+
+    assert anchors(fold="causal") == causal_layout(T, len(window_anchors))[0] == [0, 3, 6, 8]
+    assert anchors() == window_anchors  # the linear fold: both window ends
+    # A router tests linearity between both ends of a window: the window layout stays.
+    assert anchors(fold="causal", router=CosineRouter(threshold=0.5)) == window_anchors
+    # jagg_window: the latents are one window, anchored at both ends, whatever the fold.
+    st_ = jagg_window(model, lat[:5], t[:5], fold="causal", return_stats=True)[1]
+    assert st_.anchors == [0, 4]
+
+
 def _causal_reference(model, lat, t, up, mask):
     """Brute force: sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor at or before k,
     one VJP per (step, sample) pair through its anchor's own forward."""
@@ -103,7 +158,9 @@ def test_causal_fold_equals_brute_force(path):
     got = params_grad((v * up).sum(), model)
     mask = st_.anchor_mask
     if path != "adaptive":
-        assert mask[[0, 3, 6, 8]].all() and int(mask.sum()) == 4 * B
+        # The window layout's count (4: 0, 3, 6, 8) placed for the causal fold.
+        assert st_.anchors == [0, 3, 5, 7] and st_.windows == [(0, 2), (3, 4), (5, 6), (7, 8)]
+        assert mask[[0, 3, 5, 7]].all() and int(mask.sum()) == 4 * B
     want = _causal_reference(model, lat, t, up, mask)
     assert rel_err(got, want) < 1e-12
     # ... and it is not the linear fold's gradient.

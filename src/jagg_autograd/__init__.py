@@ -10,6 +10,7 @@ from jagg_autograd.mix import jagg_mix, jagg_mix_ref
 from jagg_autograd.router import CosineRouter, cosine_route, cosine_route_ref
 from jagg_autograd.window import (
     JaggStats,
+    causal_layout,
     expected_anchor_count,
     jagg_trajectory,
     jagg_window,
@@ -24,6 +25,7 @@ __all__ = [
     "FidelityReport",
     "JaggStats",
     "bias_statistics",
+    "causal_layout",
     "cosine_route",
     "cosine_route_ref",
     "expected_anchor_count",

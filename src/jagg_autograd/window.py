@@ -28,7 +28,7 @@ from jagg_autograd.checks import BATCHINGS, MODES, PLACEMENTS
 from jagg_autograd.deferred import run_deferred
 from jagg_autograd.direct import run_direct
 from jagg_autograd.function import run_eager
-from jagg_autograd.layout import expected_anchor_count, trajectory_layout
+from jagg_autograd.layout import causal_layout, expected_anchor_count, trajectory_layout
 from jagg_autograd.router import CosineRouter
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "MODES",
     "PLACEMENTS",
     "JaggStats",
+    "causal_layout",
     "execute",
     "expected_anchor_count",
     "jagg_trajectory",
@@ -205,8 +206,10 @@ def jagg_trajectory(
     gradient is its own g plus sum alpha_k g_k of the window on its left plus
     sum (1-alpha_k) g_k of the window on its right.  ``shared_anchors=False`` is the
     paper's layout of disjoint windows (2 anchors each; a last single step is exact).
-    Routing is per sample and per window.  Other arguments as in :func:`jagg_window`;
-    stats.scores / stats.exact are (n_windows, B).
+    ``fold="causal"`` without a router places the same number of anchors for the causal
+    fold instead (:func:`~jagg_autograd.layout.causal_layout`: n segments, the longer first; no
+    end anchor that would serve only itself).  Routing is per sample and per window.  Other
+    arguments as in :func:`jagg_window`; stats.scores / stats.exact are (n_windows, B).
 
     Which path when (T = 10, W = 4 measured in ``benchmarks/floor.py``):
 
