@@ -16,17 +16,18 @@ takes them), under three advantage settings:
 
 the exact gradient sum_k J_k^T g_k and every estimator's gradient come from ONE with-grad
 forward of all T x B pairs and one VJP each (the estimator's VJP puts the plan's folded
-composites on its anchor pairs and 0 elsewhere: what the deferred backward computes; batch
-0 checks that against ``jagg_trajectory`` itself).  Estimators, all at 4 anchors per sample
-(40 % of exact's with-grad samples): placement uniform (steps 0, 3, 6, 9; the causal
-fold's causal_layout 0, 3, 6, 8), adaptive-old (the former greedy split of the budget,
-``_greedy=True``), adaptive (the group-fair split; with a
-fractional budget also adaptive-random: equal counts, the remainder to random samples); each
-with fold ``linear``, ``causal`` and the candidate ``centered`` (linear fold on A - mean(A),
-causal fold on mean(A) h: needs the advantages, so not a library fold; equals linear for
-group-normalised A and causal for unit A).  Figures: :func:`jagg_autograd.bias_statistics`,
-plain and in the metric of the trained AdamW state.  Writes ``bias_probe.json`` and
-``BIAS_PROBE.md`` to ``--out``.
+composites on its anchor pairs and 0 elsewhere: what the deferred backward computes; batch 0
+checks that against ``jagg_trajectory`` itself). Estimators, all at 4 anchors per sample (40
+% of exact's with-grad samples): placement uniform (steps 0, 3, 6, 9), for the causal fold
+also causal-layout (causal_layout's 0, 3, 6, 8: what the trainer runs on a prefix of the
+steps, compared here on the whole trajectory), adaptive-old (the former greedy split of the
+budget, ``_greedy=True``), adaptive (the group-fair split; with a fractional budget also
+adaptive-random: equal counts, the remainder to random samples); each with fold ``linear``,
+``causal`` and the candidate ``centered`` (linear fold on A - mean(A), causal fold on
+mean(A) h: needs the advantages, so not a library fold; equals linear for group-normalised A
+and causal for unit A). Figures: :func:`jagg_autograd.bias_statistics`, plain and in the
+metric of the trained AdamW state. Writes ``bias_probe.json`` and ``BIAS_PROBE.md`` to
+``--out``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ from typing import Any
 
 import torch
 
-from jagg_autograd import bias_statistics, causal_layout, jagg_trajectory, trajectory_layout
+from jagg_autograd import (
+    bias_statistics,
+    causal_layout,
+    expected_anchor_count,
+    jagg_trajectory,
+    trajectory_layout,
+)
 from jagg_autograd.bias import adamw_precondition
 from jagg_autograd.grpo import group_advantages, grpo_loss, sde_step_with_logprob
 from jagg_autograd.mix import jagg_mix_slots_ref
@@ -51,6 +58,8 @@ from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
 
 PLACEMENTS = ("uniform", "adaptive-old", "adaptive")
 FOLDS = ("linear", "causal", "centered")
+# The placements whose gradient batch 0 checks against jagg_trajectory itself.
+CHECKED = ("uniform", "adaptive", "causal-layout")
 ADVANTAGES = ("grpo", "unit", "raw")
 
 
@@ -118,13 +127,15 @@ def masks(
     vals = traj.velocities
     mold = adaptive_choice(vals, g, t64, round(budget * B), fold=fold, _greedy=True).mask
     mnew = adaptive_choice(vals, g, t64, round(budget * B), fold=fold).mask
-    # What jagg_trajectory(window=4) runs: the window layout (0, 3, 6, 9 for T = 10) for the
-    # linear fold, the same count placed by causal_layout (0, 3, 6, 8) for the causal one.
+    # What jagg_trajectory(window=4) runs: the window layout (0, 3, 6, 9 for T = 10).
     anchors, windows = trajectory_layout(T, 4, True)
-    if fold == "causal":
-        anchors, windows = causal_layout(T, len(anchors))
     uni = uniform_mask(T, B, anchors, windows, None, t64.device)
     out = {"uniform": uni, "adaptive-old": mold, "adaptive": mnew}
+    if fold == "causal":
+        # The same count placed by causal_layout (0, 3, 6, 8): what the trainer passes as
+        # anchors= on a prefix of the steps; here, on the whole trajectory, for comparison.
+        ca, cw = causal_layout(T, len(anchors))
+        out["causal-layout"] = uniform_mask(T, B, ca, cw, None, t64.device)
     level, rem = divmod(round(budget * B), B)
     if rem and gen is not None:
         # Equal counts, the remainder to random samples: each sample's optimal set for
@@ -193,7 +204,7 @@ def probe(tr: GRPOTrainer, n_batches: int, seed0: int, budget: float) -> dict[st
                     y = torch.autograd.grad(v_all, params, G.flatten(0, 1).to(v_all.dtype),
                                             retain_graph=True)  # fmt: skip
                     Y.setdefault((a_name, pl, fold), []).append(_flat(y, params).float())
-                    if not checked and pl in ("uniform", "adaptive") and a_name == "grpo":
+                    if not checked and pl in CHECKED and a_name == "grpo":
                         _check_library(tr, traj, g, pl, fold, budget, _flat(y, params))
             checked = True
         del v_all
@@ -203,7 +214,7 @@ def probe(tr: GRPOTrainer, n_batches: int, seed0: int, budget: float) -> dict[st
     for (a_name, pl, fold), ys in sorted(Y.items()):
         xs = torch.stack(X[a_name])
         ys_ = torch.stack(ys)
-        est = 4 * B if pl == "uniform" else round(budget * B)
+        est = 4 * B if pl in ("uniform", "causal-layout") else round(budget * B)
         rep = bias_statistics(xs, ys_, grad_samples={"exact": T * B, "estimate": est})
         row = {"advantages": a_name, "placement": pl, "fold": fold, **_figures(rep)}
         if pre is not None:
@@ -225,6 +236,8 @@ def _check_library(
     kw: dict[str, Any] = {"fold": fold}
     if pl == "adaptive":
         kw.update(placement="adaptive", budget=budget)
+    if pl == "causal-layout":
+        kw["anchors"] = causal_layout(T, expected_anchor_count(T, 4))[0]
     with torch.enable_grad():
         v = jagg_trajectory(
             tr.policy, traj.latents[:T], traj.sigmas[:T], window=4,

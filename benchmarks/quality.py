@@ -46,7 +46,7 @@ reported relative to ``exact`` (the per-step loop).
 Outputs (``--out``, default ``benchmarks/results/quality2``): ``quality.json``
 (settings, per-seed summaries and curves, aggregates, targets), ``QUALITY.md`` and per
 task ``reward_vs_step_<task>.png``, ``reward_vs_wallclock_<task>.png``,
-``cosine_vs_step_<task>.png``; raw logs in ``raw/`` (``--resume`` skips finished jobs).
+``cosine_vs_step_<task>.png``; raw logs in ``raw/`` (``--resume`` keeps their finished runs).
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {**_PLAIN, "mode": "router", "threshold": 0.7, "jagg_frac": None},
     "uniform": {**_PLAIN, **_VD},
     "uniform_causal": {**_PLAIN, **_VD, "fold": "causal"},
+    # The causal fold with window 4 kept where a study's settings set another (shapes: 3
+    # anchors of its 5 trained steps, causal_layout's 0, 2, 4, where the study's window 5
+    # gives 2); "pin" holds the settings the study's own do not override.
+    "uniform_causal_w4": {**_PLAIN, **_VD, "fold": "causal", "pin": {"window": 4}},
     # The trainer's router at its defaults (threshold 0.7, no jagg_frac), values + deferred.
     "router": {**_PLAIN, **_VD, "mode": "router", "threshold": 0.7, "jagg_frac": None},
     "adaptive_b3": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 3.0},
@@ -181,7 +185,8 @@ COSTS: dict[str, dict[str, Any]] = {
         "step": {
             "exact": (0.070, 0.186), "eager": (0.072, 0.109), "uniform": (0.078, 0.084),
             # not measured: uniform's
-            "uniform_causal": (0.078, 0.084), "router": (0.078, 0.090),
+            "uniform_causal": (0.078, 0.084), "uniform_causal_w4": (0.078, 0.084),
+            "router": (0.078, 0.090),
             "adaptive_b3": (0.071, 0.067), "adaptive_b4": (0.070, 0.086),
             "adaptive_b2": (0.071, 0.060),  # not measured: below b3's
             "adaptive_b5": (0.074, 0.112), "subsample_4": (0.072, 0.067),
@@ -202,6 +207,9 @@ COSTS: dict[str, dict[str, Any]] = {
             "exact": (1.20, 3.10), "eager": (1.19, 2.15), "uniform": (1.12, 1.38),
             "adaptive_b4": (1.14, 1.30), "subsample_4": (1.11, 1.17),
             "adaptive_b2": (1.14, 1.30),  # not measured: adaptive_b4's
+            # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
+            # 3 anchors scaled by 3/2
+            "uniform_causal": (1.12, 1.26), "uniform_causal_w4": (1.12, 1.88),
             "mixgrpo_W4": (1.09, 1.19), "nft": (1.11, 1.70),
             "exact_fg2": (1.18, 3.16), "eager_fg2": (1.19, 2.30),
             "adaptive_b4_fg2": (1.13, 2.02),
@@ -258,8 +266,11 @@ def variant_config(name: str, seed: int, task: str, study: dict[str, Any], **ove
         threads=1,
         progress=False,
     )
-    kw.update(VARIANTS[name])
+    own = dict(VARIANTS[name])
+    pin = own.pop("pin", {})
+    kw.update(own)
     kw.update(study.get("settings", {}))
+    kw.update(pin)
     kw.update(over)
     return GRPOConfig(**kw)
 
@@ -322,14 +333,22 @@ def _job_file(raw: Path, task: str, seed: int | None) -> Path:
     return raw / (f"{task}_memory.json" if seed is None else f"{task}_seed{seed}.json")
 
 
-def _run_job(args: tuple[str, int | None, list[str], dict[str, Any], str | None, bool]) -> str:
-    """A (task, seed) lockstep job, or (seed None) the task's memory measurement."""
-    task, seed, names, study, raw_dir, progress = args
+def _run_job(
+    args: tuple[str, int | None, list[str], dict[str, Any], str | None, bool]
+    | tuple[str, int | None, list[str], dict[str, Any], str | None, bool, dict[str, Any]],
+) -> str:
+    """A (task, seed) lockstep job, or (seed None) the task's memory measurement.  An
+    optional seventh element holds finished runs of some of ``names`` (``--resume``): only
+    the others train, and the raw log holds both (each run is reseeded per step, so a
+    variant trained apart equals its lockstep run: ``test_lockstep_equals_standalone``)."""
+    task, seed, names, study, raw_dir, progress = args[:6]
+    keep: dict[str, Any] = args[6] if len(args) > 6 else {}  # type: ignore[misc]
     if seed is None:
         mem = measure_memory(task, names, study)
         res: Any = {"memory": mem, "config": _want(task, 0, names, study)}
     else:
-        res = run_seed(task, seed, names, study, progress)
+        new = run_seed(task, seed, [n for n in names if n not in keep], study, progress)
+        res = {n: keep[n] if n in keep else new[n] for n in names}
     if raw_dir is not None:
         from jagg_autograd.runlog import write_json_atomic
 
@@ -343,24 +362,37 @@ def _want(task: str, seed: int, names: Sequence[str], study: dict[str, Any]) -> 
             for n in names}  # fmt: skip
 
 
+def _read_logs(path: Path) -> dict[str, Any]:
+    try:
+        logs = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return logs if isinstance(logs, dict) else {}
+
+
+def finished_runs(
+    path: Path, task: str, seed: int, names: Sequence[str], study: dict[str, Any]
+) -> dict[str, Any]:
+    """The runs of ``names`` that the raw log ``path`` holds finished with these settings
+    (name -> log; what ``--resume`` keeps: a variant added to a study trains alone, a
+    changed setting or code default runs again)."""
+    logs = _read_logs(path)
+    have = [n for n in names if isinstance(logs.get(n), dict)]
+    want = _want(task, seed, have, study)
+    done = [n for n in have if logs[n].get("status") == "finished"]
+    return {n: logs[n] for n in done if logs[n].get("config") == want[n]}
+
+
 def finished_job(
     path: Path, task: str, seed: int | None, names: Sequence[str], study: dict[str, Any]
 ) -> bool:
     """True when ``path`` holds this job finished with exactly these variants and settings
-    (what ``--resume`` skips; changed settings or code defaults run again)."""
-    try:
-        logs = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(logs, dict):
-        return False
+    (the memory job: ``seed`` None)."""
+    logs = _read_logs(path)
     if seed is None:
-        return logs.get("config") == _want(task, 0, names, study)
-    if set(logs) != set(names):
-        return False
-    want = _want(task, seed, names, study)
-    return all(
-        logs[n].get("status") == "finished" and logs[n].get("config") == want[n] for n in names
+        return bool(logs) and logs.get("config") == _want(task, 0, names, study)
+    return set(logs) == set(names) and len(finished_runs(path, task, seed, names, study)) == len(
+        names
     )
 
 
@@ -437,6 +469,9 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
         "train_seconds": log["train_seconds"],
         "step_seconds": log["train_seconds"] + log["rollout_seconds"],
         "rollout_seconds": log["rollout_seconds"],
+        # When the run ran (ISO start, seconds): whether two runs were timed together.
+        "started_at": log.get("started_at"),
+        "total_seconds": log.get("total_seconds"),
         "median_train_step_seconds": float(np.median([r["train_seconds"] for r in rows])),
         "median_step_seconds": float(
             np.median([r["train_seconds"] + r["rollout_seconds"] for r in rows])
@@ -514,6 +549,18 @@ def wallclock_margin(runs: Sequence[dict[str, Any]], other: Sequence[dict[str, A
     }
 
 
+def timed_together(run: dict[str, Any], other: dict[str, Any]) -> bool:
+    """True when two runs' wall-clock intervals overlap: lockstep runs of one job do, a
+    variant added later with ``--resume`` does not (its time ratio then divides times from
+    two processes: another load, possibly another machine).  Unknown: True."""
+    try:
+        t = [_dt.datetime.fromisoformat(r["started_at"]).timestamp() for r in (run, other)]
+        d = [float(r["total_seconds"]) for r in (run, other)]
+    except (KeyError, TypeError, ValueError):
+        return True
+    return t[0] < t[1] + d[1] and t[1] < t[0] + d[0]
+
+
 def aggregate(
     per_seed: dict[int, dict[str, dict[str, Any]]], memory: dict[str, Any] | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -538,6 +585,7 @@ def aggregate(
                 )
             for k in ("train_seconds", "step_seconds"):
                 agg[f"{k}_ratio"] = mean_std([r[k] / e[k] for r, e in zip(runs, ex)])
+            agg["timed_with_ref"] = all(timed_together(r, e) for r, e in zip(runs, ex))
             agg["wallclock_margin"] = wallclock_margin(runs, ex)
         if "exact" in names and ref != "exact":  # Flow-GRPO structure vs DanceGRPO's exact
             ex1 = [per_seed[s]["exact"] for s in seeds]
@@ -632,11 +680,13 @@ def target_rows(
             f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %)",
         )
         tr = _m(agg, d, "train_seconds_ratio")
+        apart = not agg.get(d, {}).get("timed_with_ref", True)
         add(
             f"{d}: training phase <= {bar['train_ratio']} of exact (on-policy minibatches)",
             tr,
-            tr <= bar["train_ratio"],
-            "one optimizer step per rollout: every minibatch on-policy",
+            None if apart else tr <= bar["train_ratio"],
+            "one optimizer step per rollout: every minibatch on-policy"
+            + ("; NOT timed with exact (another process): see benchmarks.train_phase" * apart),
         )
         sr = _m(agg, d, "step_seconds_ratio")
         add(
@@ -810,13 +860,15 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
         ref = a.get("ref", "exact")
         wm = f"{w['mean']:+.4f} / {w['min']:+.4f}" if w.get("points") and n != ref else "–"
         sa = f"| {_fmt(a.get('final_strict_accuracy'), digits=4)} " if strict else ""
+        dag = "" if a.get("timed_with_ref", True) else " †"
         lines.append(
             f"| {n}{'' if ref == 'exact' else f' (ref {ref})'} "
             f"| {_fmt(a['final_reward'], digits=4)} {sa}"
             f"| {_fmt(a.get('final_rel_diff'), 100, 2, True)} | {_fmt(a['auc_reward'], digits=4)} "
             f"| {_fmt(a.get('auc_rel_diff'), 100, 2, True)} "
-            f"| {_fmt(a.get('train_seconds_ratio'))} | {_fmt(a.get('step_seconds_ratio'))} "
-            f"| {wm} | {_num(a['peak_saved_rel'])} "
+            f"| {_fmt(a.get('train_seconds_ratio'))}{dag} "
+            f"| {_fmt(a.get('step_seconds_ratio'))}{dag} "
+            f"| {wm}{dag} | {_num(a['peak_saved_rel'])} "
             f"| {_num(a['forward_samples_per_step']['mean'], '.0f')} / "
             f"{_num(a['grad_samples_per_step']['mean'], '.0f')} "
             f"| {_num(a['probe_share']['mean'], '+.4f')} / "
@@ -830,6 +882,12 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
             f"| {_num(a['anchor_frac']['mean'])} / {_num(a['routed_frac']['mean'])} "
             f"| {_num(a['plan_frac']['mean'])} |"
         )
+    apart = [n for n in agg if not agg[n].get("timed_with_ref", True)]
+    if apart:
+        lines += ["", "† " + ", ".join(apart) + ": trained in another process than its "
+                  "reference (added with `--resume`): the time ratios and the wall-clock "
+                  "margin divide times from two processes (another load, possibly another "
+                  "machine); `python -m benchmarks.train_phase` times them together."]  # fmt: skip
     fg = [n for n in agg if "train_seconds_ratio_vs_exact" in agg[n]]
     if fg:
         lines += ["", "Flow-GRPO structure against one optimizer step per rollout's exact: "
@@ -1043,8 +1101,11 @@ def run_study(
     """Run every (task, seed) job and the memory steps, aggregate, write the outputs.
 
     ``report_only``: train nothing; rebuild the outputs from ``out/raw`` (command, date,
-    duration and machine kept from the earlier quality.json).  ``resume``: skip the jobs
-    whose raw file already holds these finished runs (:func:`finished_job`).
+    duration and machine kept from the earlier quality.json).  ``resume``: keep the runs a
+    raw file already holds finished with these settings (:func:`finished_runs`) and train
+    only the others (a variant trained later than the rest: its time ratio then compares
+    runs made at different times, perhaps on another machine; the report marks it † and
+    does not judge its time target, :func:`timed_together`).
     """
     t0 = time.perf_counter()
     raw = out / "raw"
@@ -1065,8 +1126,14 @@ def run_study(
         jobs = []
         for t, st in studies.items():
             for s in [*st["seeds"], None]:
-                if not (resume and finished_job(_job_file(raw, t, s), t, s, names[t], st)):
-                    jobs.append((t, s, names[t], st, str(raw), progress))
+                f = _job_file(raw, t, s)
+                if s is None:
+                    if not (resume and finished_job(f, t, None, names[t], st)):
+                        jobs.append((t, s, names[t], st, str(raw), progress))
+                    continue
+                keep = finished_runs(f, t, s, names[t], st) if resume else {}
+                if len(keep) < len(names[t]):
+                    jobs.append((t, s, names[t], st, str(raw), progress, keep))
         # Longest first: shapes seeds, then digits, the short memory jobs last.
         jobs.sort(key=lambda j: (j[1] is None, j[0] != "shapes"))
         if progress:
@@ -1158,7 +1225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true",
                    help="rebuild quality.json, QUALITY.md, plots from --out's raw/")  # fmt: skip
     p.add_argument("--resume", action="store_true",
-                   help="skip the jobs whose raw log holds these finished runs")  # fmt: skip
+                   help="keep the raw logs' finished runs with these settings; train the "
+                   "rest")  # fmt: skip
     args = p.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]

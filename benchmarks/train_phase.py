@@ -1,20 +1,24 @@
 """Training-phase time of each GRPO estimator against Flow-GRPO's per-step loop, in isolation.
 
-    python -m benchmarks.train_phase            # about two minutes on one CPU thread
-    python -m benchmarks.train_phase --quick    # the test configuration (seconds)
+    python -m benchmarks.train_phase                 # about two minutes on one CPU thread
+    python -m benchmarks.train_phase --task shapes   # the shapes study's settings
+    python -m benchmarks.train_phase --quick         # the test configuration (seconds)
 
 The quality study (``benchmarks/quality.py``) times the training phase inside 60-step runs
 that share a process with the other variants and the gradient probes (lockstep), so its
-ratios carry that contention.  This measures ONE on-policy minibatch of the digits DiT
-(8 prompts x 4 samples, T = 10 SDE steps, every step trained) per variant: the estimator's
-``loss`` with its own backward, the trainer's code path, repetitions interleaved in a
-rotating order on the same rollout and the same trained steps, medians; the ratio is the
-median over repetitions of variant / ``exact`` (the per-step loop) in the same repetition.
-Floors with a backward costing two forwards and the rollout's velocities reused as the
-values: uniform (4 anchors of 10 steps) 0.40; adaptive at budget b, b / 10.
+ratios carry that contention (and, where a variant was added with ``--resume``, a second
+process).  This measures ONE on-policy minibatch per variant at the study's settings of
+the task (digits: 8 prompts x 4 samples, T = 10 SDE steps, every step trained; shapes: the
+first 5 of 10 steps, ``--group-size`` as the study's lever): the estimator's ``loss`` with
+its own backward, the trainer's code path, repetitions interleaved in a rotating order on
+the same rollout and the same trained steps, medians; the ratio is the median over
+repetitions of variant / ``exact`` (the per-step loop) in the same repetition.  Floors with
+a backward costing two forwards and the rollout's velocities reused as the values: the
+anchors' share of the trained steps (digits uniform: 4 of 10, 0.40; adaptive at budget b,
+b / 10; shapes: 2 of 5, 0.40; window 4, 3 of 5, 0.60).
 
-Outputs (``--out``, default ``benchmarks/results/train_phase``): ``train_phase.json`` and
-``TRAIN_PHASE.md``.
+Outputs (``--out``, default ``benchmarks/results/train_phase``, ``..._shapes`` for shapes):
+``train_phase.json`` and ``TRAIN_PHASE.md``.
 """
 
 from __future__ import annotations
@@ -31,27 +35,32 @@ if __package__ in (None, ""):  # `python benchmarks/train_phase.py`
 import torch
 
 from benchmarks.common import interleaved_times, machine_info, write_report
-from benchmarks.quality import VARIANTS as STUDY_VARIANTS
+from benchmarks.quality import studies_for, variant_config
 from jagg_autograd.estimators import Minibatch
 from jagg_autograd.grpo import group_advantages
-from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
+from jagg_autograd.trainer import GRPOTrainer
 
-#: The study's variants that train on the GRPO loss (the settings spelt out there).
-NAMES = ("exact", "uniform", "uniform_causal", "router", "adaptive_b3", "adaptive_b4",
-         "adaptive_b5")  # fmt: skip
-FLOORS = {"uniform": 0.40, "uniform_causal": 0.40, "router": 0.40, "adaptive_b3": 0.30,
-          "adaptive_b4": 0.40, "adaptive_b5": 0.50}  # fmt: skip
+#: Per task, the study's variants that train on the GRPO loss (settings spelt out there).
+NAMES = {
+    "digits": ("exact", "uniform", "uniform_causal", "router", "adaptive_b3", "adaptive_b4",
+               "adaptive_b5"),
+    "shapes": ("exact", "uniform", "uniform_causal", "uniform_causal_w4", "adaptive_b2"),
+}  # fmt: skip
+FLOORS = {
+    "digits": {"uniform": 0.40, "uniform_causal": 0.40, "router": 0.40, "adaptive_b3": 0.30,
+               "adaptive_b4": 0.40, "adaptive_b5": 0.50},
+    "shapes": {"uniform": 0.40, "uniform_causal": 0.40, "uniform_causal_w4": 0.60,
+               "adaptive_b2": 0.40},
+}  # fmt: skip
 CONFIGS = {"quick": {"reps": 2, "prompts_per_step": 2}, "full": {"reps": 21, "prompts_per_step": 8}}
 
 
-def trainers(prompts: int) -> dict[str, GRPOTrainer]:
-    """One trainer per variant (the quality study's settings), all with exact's weights."""
-    base = dict(task="digits", prompts_per_step=prompts, group_size=4, num_steps=10,
-                eval_per_digit=0, progress=False, threads=1, seed=0)  # fmt: skip
-    out = {}
-    for n in NAMES:
-        kw = {k: v for k, v in STUDY_VARIANTS[n].items() if k != "probe_every"}
-        out[n] = GRPOTrainer(GRPOConfig(**base, **kw))
+def trainers(task: str, prompts: int, group_size: int | None = None) -> dict[str, GRPOTrainer]:
+    """One trainer per variant of ``task`` (the quality study's settings, without its
+    evaluations and probes), all with exact's weights."""
+    study = studies_for([task], False, prompts_per_step=prompts, group_size=group_size)[task]
+    out = {n: GRPOTrainer(variant_config(n, 0, task, study, eval_per_digit=0, probe_every=0))
+           for n in NAMES[task]}  # fmt: skip
     for tr in out.values():
         tr.policy.load_state_dict(out["exact"].policy.state_dict())
     return out
@@ -81,40 +90,66 @@ def study(trs: dict[str, GRPOTrainer], reps: int) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    tm = res["time"]
+    tm, cfg = res["time"], res["config"]
+    floors = FLOORS[cfg["task"]]
     lines = [
-        "# GRPO training phase vs the per-step loop, one minibatch in isolation (digits DiT)",
+        f"# GRPO training phase vs the per-step loop, one minibatch in isolation ({cfg['task']})",
         "",
         f"`{res['command']}` at {res['date']} (commit {res['machine'].get('git_commit', '?')});"
-        f" {res['config']['prompts_per_step']} x 4 samples, T = 10, on-policy, one torch "
-        f"thread: {tm['reps']} interleaved repetitions, medians.",
+        f" {cfg['prompts_per_step']} x {cfg['group_size']} samples, T = {cfg['T']}, "
+        f"{cfg['trained_steps']} trained steps, on-policy, one torch thread: {tm['reps']} "
+        "interleaved repetitions, medians.",
         "",
         "| variant | median s | ratio to exact | floor |",
         "|---|---|---|---|",
     ]
     for n, r in tm["ratio_to_exact"].items():
-        lines.append(f"| {n} | {tm['median_s'][n]:.4f} | {r:.3f} | {FLOORS.get(n, '')} |")
-    lines += ["", "The quality study's ratios (`train time / ref`) are larger by the contention "
-              "of its lockstep runs and probes; this is the estimator's own cost.", ""]  # fmt: skip
+        lines.append(f"| {n} | {tm['median_s'][n]:.4f} | {r:.3f} | {floors.get(n, '')} |")
+    lines += ["", "The quality study's ratios (`train time / ref`) also carry the contention of "
+              "its lockstep runs and probes, and, for a variant added with `--resume`, a "
+              "second process (another load, or another machine); this is the estimator's "
+              "own cost.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the test configuration")
-    ap.add_argument("--out", default="benchmarks/results/train_phase")
+    ap.add_argument(
+        "--task",
+        choices=list(NAMES),
+        default="digits",
+        help="the quality study's settings and variants of this task",
+    )
+    ap.add_argument("--group-size", type=int, help="override the study's samples per prompt")
+    ap.add_argument("--out", help="output folder (default benchmarks/results/train_phase, "
+                    "with _<task> for a task other than digits)")  # fmt: skip
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    if args.group_size is not None and args.group_size < 2:
+        ap.error(f"--group-size must be >= 2 (a group needs a baseline), got {args.group_size}")
+    cfg: dict[str, Any] = dict(CONFIGS["quick" if args.quick else "full"], task=args.task)
     torch.set_num_threads(1)
+    trs = trainers(args.task, cfg["prompts_per_step"], args.group_size)
+    ex = trs["exact"].config
+    cfg.update(
+        group_size=ex.group_size,
+        T=ex.num_steps,
+        trained_steps=trs["exact"].estimator.num_train_steps(),
+    )
+    out = args.out or "benchmarks/results/train_phase" + (
+        "" if args.task == "digits" else f"_{args.task}"
+    )
+    flags = ["--quick"] * args.quick + [f"--task {args.task}"] * (args.task != "digits")
+    flags += [f"--group-size {args.group_size}"] * (args.group_size is not None)
     res: dict[str, Any] = {
-        "command": "python -m benchmarks.train_phase" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m benchmarks.train_phase", *flags]),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(torch.device("cpu")),
         "config": cfg,
     }
-    res["time"] = study(trainers(cfg["prompts_per_step"]), cfg["reps"])
-    write_report(args.out, "train_phase", res, markdown(res))
+    res["time"] = study(trs, cfg["reps"])
+    write_report(out, "train_phase", res, markdown(res))
     return 0
 
 

@@ -325,9 +325,11 @@ def test_bias_probe_benchmark(run_benchmark):
     out = run_benchmark("benchmarks.bias_probe", "--train-steps", "0", "--batches", "3")
     res = json.loads((out / "bias_probe.json").read_text())
     st = res["stages"][0]
-    assert len(st["rows"]) == 27 and (out / "BIAS_PROBE.md").exists()
+    # 3 advantages x (3 placements x 3 folds + causal-layout with the causal fold)
+    assert len(st["rows"]) == 30 and (out / "BIAS_PROBE.md").exists()
     sp = st["spearman_counts_abs_adv"]
     assert sp["adaptive-old"] > 0.5 and sp["adaptive"] == 0.0
     row = {(r["advantages"], r["placement"], r["fold"]): r for r in st["rows"]}
     assert row["unit", "uniform", "linear"]["systematic_share"] > 0.5
     assert abs(row["unit", "uniform", "causal"]["systematic_share"]) < 0.2
+    assert abs(row["unit", "causal-layout", "causal"]["systematic_share"]) < 0.2

@@ -35,7 +35,8 @@ def test_public_functions_share_one_option_set():
     assert set(traj) == set(OPTION_NAMES)
     assert traj.pop("window") is inspect.Parameter.empty  # required for a trajectory
     win = _keywords(jagg_window)
-    assert set(win) == set(OPTION_NAMES) - {"window", "shared_anchors"}
+    # the layout of a trajectory: a window call has none
+    assert set(win) == set(OPTION_NAMES) - {"window", "shared_anchors", "anchors"}
     fid = _keywords(gradient_fidelity)
     assert set(fid) - set(OPTION_NAMES) == {"per_window"}
     for kw in (traj, win, {k: v for k, v in fid.items() if k != "per_window"}):

@@ -100,7 +100,7 @@ def test_causal_layout_values_and_bad_input():
         causal_layout(5, 2.0)
 
 
-def test_only_a_causal_trajectory_without_router_takes_the_causal_layout():
+def test_explicit_anchors_replace_the_window_layout():
     model = MLPField(3, seed=2)
     gen = torch.Generator().manual_seed(2)
     T, B = 10, 2
@@ -108,16 +108,91 @@ def test_only_a_causal_trajectory_without_router_takes_the_causal_layout():
     t = _t(T)
     window_anchors = trajectory_layout(T, 4, True)[0]  # [0, 3, 6, 9]
 
-    def anchors(**kw):
-        return jagg_trajectory(model, lat, t, window=4, return_stats=True, **kw)[1].anchors
+    def stats(**kw):
+        return jagg_trajectory(model, lat, t, window=4, return_stats=True, **kw)[1]
 
-    assert anchors(fold="causal") == causal_layout(T, len(window_anchors))[0] == [0, 3, 6, 8]
-    assert anchors() == window_anchors  # the linear fold: both window ends
-    # A router tests linearity between both ends of a window: the window layout stays.
-    assert anchors(fold="causal", router=CosineRouter(threshold=0.5)) == window_anchors
+    # Without anchors= every fold runs the window layout (the causal fold too: on a whole
+    # trajectory its end anchor holds the largest upstream gradient exactly).
+    assert stats().anchors == stats(fold="causal").anchors == window_anchors
+    causal = causal_layout(T, 4)[0]  # [0, 3, 6, 8]
+    st_ = stats(fold="causal", anchors=causal)
+    assert st_.anchors == causal and st_.windows == [(0, 2), (3, 5), (6, 7), (8, 9)]
+    assert stats(fold="causal", anchors=torch.tensor(causal)).anchors == causal
+    st_ = stats(anchors=[0, 2, 9])  # linear: consecutive anchors bound the windows
+    assert st_.anchors == [0, 2, 9] and st_.windows == [(0, 2), (2, 9)]
+    # The window layout given explicitly is the window layout: the same gradient.
+    up = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    for fold in FOLDS:
+        a = jagg_trajectory(model, lat, t, window=4, fold=fold)
+        b = jagg_trajectory(model, lat, t, window=4, fold=fold, anchors=window_anchors)
+        ga = params_grad((a * up).sum(), model)
+        assert rel_err(params_grad((b * up).sum(), model), ga) == 0.0
     # jagg_window: the latents are one window, anchored at both ends, whatever the fold.
     st_ = jagg_window(model, lat[:5], t[:5], fold="causal", return_stats=True)[1]
     assert st_.anchors == [0, 4]
+
+
+@pytest.mark.parametrize(
+    ("kw", "err", "match"),
+    [
+        ({"anchors": [1, 9]}, ValueError, "starting at 0"),
+        ({"anchors": [0, 6, 3, 9]}, ValueError, "strictly increasing"),
+        ({"anchors": [0, 3, 3, 9]}, ValueError, "strictly increasing"),
+        ({"anchors": [0, 10]}, ValueError, r"\[0, T-1=9\]"),
+        ({"anchors": [0, 3, 6]}, ValueError, "ending at T-1=9"),  # linear needs T-1
+        ({"anchors": []}, ValueError, "anchors"),
+        ({"anchors": [0.0, 9.0]}, TypeError, "anchors"),
+        ({"anchors": "09"}, TypeError, "anchors"),
+        ({"anchors": torch.tensor([[0, 9]])}, TypeError, "anchors"),
+        ({"anchors": [0, 9], "router": CosineRouter(threshold=0.5)}, ValueError, "router"),
+        ({"anchors": [0, 9], "placement": "adaptive", "deferred": True}, ValueError,
+         "placement"),
+    ],
+)  # fmt: skip
+def test_explicit_anchors_are_validated_before_any_model_call(kw, err, match):
+    calls = []
+
+    def model(z, t):
+        calls.append(1)
+        return z
+
+    lat = torch.randn(10, 2, 3, dtype=F64)
+    with pytest.raises(err, match=match):
+        jagg_trajectory(model, lat, _t(10), window=4, **kw)
+    assert not calls
+    # The causal fold needs no end anchor.
+    assert jagg_trajectory(model, lat, _t(10), window=4, fold="causal", anchors=[0, 3]).shape
+
+
+def test_trainer_places_causal_anchors_on_a_prefix_only():
+    """The JAGG estimator passes causal_layout's anchors for the causal fold on a prefix of
+    the sampler's steps (timestep_fraction < 1), the window layout elsewhere."""
+    from jagg_autograd.estimators import Minibatch
+    from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
+
+    tiny = dict(steps=1, prompts_per_step=2, group_size=2, num_steps=10, window=4,
+                eval_per_digit=0, grid_samples=0, progress=False)  # fmt: skip
+
+    def anchors(steps, **kw):
+        tr = GRPOTrainer(GRPOConfig(**tiny, **kw))
+        return tr.estimator.causal_anchors(Minibatch(_Traj(10), torch.zeros(4), steps))
+
+    # The window layout's count over the trained steps, placed by causal_layout.
+    assert anchors((0, 5), fold="causal", timestep_fraction=0.5) == [0, 2, 4]  # 0, 3, 4
+    assert anchors((0, 7), fold="causal", timestep_fraction=0.7) == [0, 3, 5]  # 0, 3, 6
+    tiny["window"] = 5  # the shapes study's: 2 anchors of 5 steps
+    assert anchors((0, 5), fold="causal", timestep_fraction=0.5) == [0, 3]  # 0, 4
+    assert anchors((0, 10), fold="causal") is None  # reaches the last step: window layout
+    assert anchors((0, 5), timestep_fraction=0.5) is None  # linear fold
+    assert anchors((0, 5), fold="causal", mode="router", timestep_fraction=0.5) is None
+    assert anchors(torch.zeros(5, 4, dtype=torch.long), fold="causal",
+                   timestep_fraction=0.5, timestep_selection="random") is None  # fmt: skip
+    assert anchors((0, 5), fold="causal", timestep_fraction=0.5, placement="adaptive") is None
+
+
+class _Traj:
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
 
 
 def _causal_reference(model, lat, t, up, mask):
@@ -138,8 +213,13 @@ def _causal_reference(model, lat, t, up, mask):
     return total
 
 
-@pytest.mark.parametrize("path", ["eager", "deferred", "values+deferred", "adaptive"])
-def test_causal_fold_equals_brute_force(path):
+# adaptive placement chooses its own anchors (anchors= is refused with it)
+@pytest.mark.parametrize(
+    ("path", "layout"),
+    [(p, lay) for p in ("eager", "deferred", "values+deferred") for lay in ("window", "causal")]
+    + [("adaptive", "window")],
+)
+def test_causal_fold_equals_brute_force(path, layout):
     model = MLPField(3, seed=4)
     gen = torch.Generator().manual_seed(4)
     T, B = 9, 3
@@ -154,16 +234,21 @@ def test_causal_fold_equals_brute_force(path):
             kw["values"] = jagg_trajectory(model, lat, t, window=4)
     if path == "adaptive":
         kw.update(placement="adaptive", budget=3.5)
-    v, st_ = jagg_trajectory(model, lat, t, window=4, fold="causal", return_stats=True, **kw)
+    # The window layout (0, 3, 6, 8) or its count placed for the causal fold (0, 3, 5, 7).
+    want_anchors = [0, 3, 6, 8] if layout == "window" else causal_layout(T, 4)[0]
+    extra = {"anchors": want_anchors} if layout == "causal" else {}
+    v, st_ = jagg_trajectory(model, lat, t, window=4, fold="causal", return_stats=True, **kw,
+                             **extra)  # fmt: skip
     got = params_grad((v * up).sum(), model)
     mask = st_.anchor_mask
     if path != "adaptive":
-        # The window layout's count (4: 0, 3, 6, 8) placed for the causal fold.
-        assert st_.anchors == [0, 3, 5, 7] and st_.windows == [(0, 2), (3, 4), (5, 6), (7, 8)]
-        assert mask[[0, 3, 5, 7]].all() and int(mask.sum()) == 4 * B
+        assert st_.anchors == want_anchors
+        assert mask[want_anchors].all() and int(mask.sum()) == 4 * B
+    if layout == "causal":
+        assert st_.windows == [(0, 2), (3, 4), (5, 6), (7, 8)]
     want = _causal_reference(model, lat, t, up, mask)
     assert rel_err(got, want) < 1e-12
-    # ... and it is not the linear fold's gradient.
+    # ... and it is not the linear fold's gradient (linear: the window layout).
     v = jagg_trajectory(model, lat, t, window=4, **kw)
     assert rel_err(params_grad((v * up).sum(), model), want) > 1e-3
 

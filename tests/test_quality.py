@@ -21,6 +21,7 @@ from benchmarks.quality import (
     aggregate,
     auc,
     finished_job,
+    finished_runs,
     mean_std,
     per_seed_summary,
     plan,
@@ -190,6 +191,40 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
     assert rows[f"{DEFAULT}: systematic share <= 0.03 along the run"]["met"] is False
 
 
+def test_time_ratios_of_runs_timed_apart_are_flagged():
+    """A variant added later with --resume divides its time by exact's from another
+    process: its training-phase target is not judged and its ratios carry a dagger."""
+
+    def at(run: dict, start: str, seconds: float) -> dict:
+        return {**run, "started_at": f"2026-12-04T{start}+00:00", "total_seconds": seconds}
+
+    per_seed = {
+        s: {
+            "exact": at(_runs(0.8, [0, 10, 20], 20.0), "10:00:00", 600.0),
+            DEFAULT: at(_runs(0.8, [0, 4, 8], 8.0), "10:00:40", 590.0),  # lockstep
+            "adaptive_b4": at(_runs(0.8, [0, 4, 8], 8.0), "10:11:00", 500.0),  # after exact
+        }
+        for s in (0, 1)
+    }
+    agg = aggregate(per_seed)
+    assert agg[DEFAULT]["timed_with_ref"] is True
+    assert agg["adaptive_b4"]["timed_with_ref"] is False
+    assert agg["adaptive_b4"]["train_seconds_ratio"]["mean"] == pytest.approx(0.4)  # still shown
+    rows = {r["target"]: r for r in target_rows("shapes", agg, per_seed)}
+    tr = "training phase <= 0.5 of exact (on-policy minibatches)"
+    assert rows[f"{DEFAULT}: {tr}"]["met"] is True
+    apart = rows[f"adaptive_b4: {tr}"]
+    assert apart["met"] is None and "NOT timed with exact" in apart["detail"]
+    # One seed timed together and one apart still counts as apart.
+    per_seed[1]["adaptive_b4"] = at(per_seed[1]["adaptive_b4"], "10:05:00", 500.0)
+    assert aggregate(per_seed)["adaptive_b4"]["timed_with_ref"] is False
+    # Logs without the times (older raw files) are not flagged.
+    for s in per_seed:
+        for r in per_seed[s].values():
+            r.pop("started_at")
+    assert aggregate(per_seed)["adaptive_b4"]["timed_with_ref"] is True
+
+
 def test_every_task_runs_exact_and_the_default_and_the_plan_fits():
     for t, st in TASKS.items():
         assert "exact" in st["variants"] and DEFAULT in st["variants"], t
@@ -297,6 +332,7 @@ def test_quick_markdown_and_plots(quick_run: Path):
     assert "| final strict accuracy |" in shapes_md and "Held-out strict accuracy" in shapes_md
     assert "strict accuracy" not in md[md.index("## digits") : md.index("## shapes")]
     assert "systematic share" in md
+    assert "†" not in md  # lockstep: every variant timed with its reference
     assert (quick_run / "bias_vs_step_digits.png").read_bytes()[:8] == PNG_MAGIC
     for task in ("digits", "shapes"):
         for name in ("reward_vs_step", "reward_vs_wallclock", "cosine_vs_step"):
@@ -319,4 +355,38 @@ def test_raw_logs_kept_and_resumable(tmp_path: Path):
     assert not finished_job(raw, "digits", 6, names, study)  # another seed's settings
     raw.write_text(raw.read_text()[:100])
     assert not finished_job(raw, "digits", 5, names, study)
+    assert finished_runs(raw, "digits", 5, names, study) == {}
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_resume_trains_only_the_added_variant(tmp_path: Path):
+    """--resume with a variant added keeps the finished runs as they are (their timings
+    too) and trains only the new one, which equals its run in the full lockstep job."""
+    study = studies_for(["digits"], quick=True, steps=2, probe_every=0)["digits"]
+    _run_job(("digits", 2, ["exact"], study, str(tmp_path), False))
+    raw = _job_file(tmp_path, "digits", 2)
+    first = json.loads(raw.read_text())["exact"]
+    names = ["exact", "uniform_causal"]
+    keep = finished_runs(raw, "digits", 2, names, study)
+    assert list(keep) == ["exact"] and not finished_job(raw, "digits", 2, names, study)
+    _run_job(("digits", 2, names, study, str(tmp_path), False, keep))
+    logs = json.loads(raw.read_text())
+    assert list(logs) == names and logs["exact"] == first
+    assert finished_job(raw, "digits", 2, names, study)
+    both = run_seed("digits", 2, names, study, progress=False)["uniform_causal"]
+    for key in ("steps", "evals"):
+        a = [{k: v for k, v in r.items() if "seconds" not in k} for r in both[key]]
+        b = [{k: v for k, v in r.items() if "seconds" not in k}
+             for r in logs["uniform_causal"][key]]  # fmt: skip
+        assert a == b, key
+    # A changed setting does not keep the run.
+    assert finished_runs(raw, "digits", 2, names, dict(study, lr=3e-4)) == {}
+
+
+def test_pinned_variant_settings_survive_the_study_settings():
+    """A variant's "pin" (the shapes study's 3-anchor causal run) is applied after the
+    study's settings; the other variants take the study's window."""
+    study = studies_for(["shapes"], quick=True)["shapes"]
+    assert variant_config("uniform_causal", 0, "shapes", study).window == 5
+    assert variant_config("uniform_causal_w4", 0, "shapes", study).window == 4
+    assert "pin" not in variant_config("uniform_causal_w4", 0, "shapes", study).resolved()

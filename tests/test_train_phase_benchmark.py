@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
-def test_train_phase_benchmark_quick(run_benchmark) -> None:
+
+@pytest.mark.parametrize("task", ["digits", "shapes"])
+def test_train_phase_benchmark_quick(run_benchmark, task: str) -> None:
     from benchmarks.train_phase import NAMES
 
-    out = run_benchmark("benchmarks.train_phase", "--quick")
+    out = run_benchmark("benchmarks.train_phase", "--quick", "--task", task)
     res = json.loads((out / "train_phase.json").read_text())
+    assert res["config"]["task"] == task
+    # shapes trains the study's prefix: the first 5 of 10 steps
+    assert res["config"]["trained_steps"] == {"digits": 10, "shapes": 5}[task]
     tm = res["time"]
-    assert set(tm["ratio_to_exact"]) == set(NAMES)
+    assert set(tm["ratio_to_exact"]) == set(NAMES[task])
     assert tm["ratio_to_exact"]["exact"] == 1.0
     assert all(len(v) == tm["reps"] == 2 for v in tm["times"].values())
     assert all(t > 0 for t in tm["median_s"].values())

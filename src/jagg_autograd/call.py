@@ -50,7 +50,7 @@ from jagg_autograd.checks import (
     values_tolerance,
 )
 from jagg_autograd.distributed import ddp_for_deferred
-from jagg_autograd.layout import causal_layout, check_window
+from jagg_autograd.layout import check_anchors, check_window
 from jagg_autograd.planner import check_fold
 from jagg_autograd.router import CosineRouter
 
@@ -83,6 +83,7 @@ class JaggOptions:
     params: Sequence[torch.Tensor] | None = None
     values_tol: float | None = None
     fold: str = "linear"
+    anchors: Sequence[int] | None = None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(JaggOptions))
@@ -144,8 +145,7 @@ class JaggCall:
     t64: (T, B) float64 timesteps (plans, routing); t_model: (T, B) in the latents'
         dtype, what the model is called with.
     anchors, windows: the uniform layout (steps; (first, last) per window): the window
-        layout, or for ``fold="causal"`` on a trajectory without a router
-        :func:`~jagg_autograd.layout.causal_layout` with the same anchor count.
+        layout, or the call's explicit ``anchors=`` (:func:`~jagg_autograd.layout.check_anchors`).
     opts: the checked options: mode, batching, placement, backend (runnable on the
         latents), chunk_size, router, deferred, values, values_tol; budget a float
         (default: the layout's anchor count).
@@ -254,12 +254,17 @@ def parse_call(
     # The layout first: a (B, T, ...) buffer is named as such, not as a bad window.
     t64 = check_timesteps(timesteps, latents)
     anchors, windows = check_window(T, options.window, options.shared_anchors, trajectory)
+    if options.anchors is not None:
+        # Explicit anchors replace the window layout (its count sets the default budget).
+        fold = check_fold(options.fold)
+        if options.router is not None or options.placement != "uniform":
+            raise ValueError(
+                "anchors= is the uniform placement's layout without a router (a router tests "
+                "the window layout; placement='adaptive' chooses its own), got "
+                f"router={options.router!r}, placement={options.placement!r}"
+            )
+        anchors, windows = check_anchors(T, options.anchors, fold)
     opts = check_options(options, latents, len(anchors))
-    if trajectory and opts.fold == "causal" and opts.router is None:
-        # Same anchor count (cost), placed for the causal fold: the window layout's end
-        # anchor would serve only itself (layout.causal_layout).  A router keeps the
-        # window layout: it tests linearity between both ends of a window.
-        anchors, windows = causal_layout(T, len(anchors))
     check_model(model, device, opts.router)
     # Called from here directly: its warning's stacklevel names the public function's caller.
     cond, batched = check_cond(opts.cond, B, device, opts.batched_cond)

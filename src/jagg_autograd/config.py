@@ -165,9 +165,10 @@ class GRPOConfig:
                         "deferred; router: uniform)", choices=PLACEMENTS)  # fmt: skip
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
                    "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
-                   "group-fair advantages) or causal (the anchor at or before the step, "
-                   "the window layout's anchor count placed by causal_layout; unbiased for "
-                   "any advantages, lower per-batch cosine)",
+                   "group-fair advantages) or causal (the anchor at or before the step; "
+                   "unbiased for any advantages, lower per-batch cosine; on a prefix of "
+                   "the steps, timestep_fraction < 1, the window layout's anchor count "
+                   "placed by causal_layout)",
                    choices=FOLDS)  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
                               "(None: the uniform count)")  # fmt: skip

@@ -2,7 +2,7 @@
 
 ``trajectory_layout``, ``causal_layout`` and ``expected_anchor_count`` are public;
 :func:`check_window` is the window check of a call (after the latents' layout, before the
-options).
+options), :func:`check_anchors` the check of its explicit ``anchors=``.
 """
 
 from __future__ import annotations
@@ -80,12 +80,17 @@ def causal_layout(T: int, n_anchors: int) -> tuple[list[int], list[tuple[int, in
     Windows are the segments (a_i, a_{i+1} - 1) and (a_{n-1}, T - 1): every step belongs to
     the window of the anchor it folds onto.
 
-    With the window layout's anchor count (same cost) this is what ``fold="causal"`` runs
-    on a trajectory without a router; measured on the shapes task (5 trained steps, 2
-    anchors, 24 probe batches of 8 x 4 at the pretrained policy): per-batch cosine to the
-    exact gradient 0.822 with anchors {0, 3} against 0.770 with the window layout's
-    {0, 4} and 0.717 with {0, 2}; both at the unbiased floor (systematic share 0.0006 /
-    0.0008, floor SD 0.0013).  ``T >= 1`` and ``1 <= n_anchors <= T``.
+    Which layout suits the causal fold depends on where the upstream gradient is large.
+    On a prefix of the sampler's steps (Flow-GRPO's ``timestep_fraction``) the window
+    layout's end anchor only serves itself; this layout is better there (shapes, the
+    first 5 of 10 steps trained, 2 anchors, 24 probe batches of 8 x 4: per-batch cosine to
+    the exact gradient 0.822 with anchors {0, 3} against 0.770 with the window layout's
+    {0, 4}, both unbiased).  On a whole trajectory the last step, nearest the data, has
+    the largest score-function gradient (||g_k|| ~ 1 / sigma_k) and the window layout's
+    end anchor holds it exactly; there the window layout is better (digits, 10 steps, 4
+    anchors: 0.916 with {0, 3, 6, 9} against 0.843 with {0, 3, 6, 8}).  The trainer's
+    JAGG estimator therefore passes these anchors (``jagg_trajectory(anchors=)``) for the
+    causal fold on a prefix only.  ``T >= 1`` and ``1 <= n_anchors <= T``.
 
     Example: ``causal_layout(5, 2) == ([0, 3], [(0, 2), (3, 4)])``.
     """
@@ -123,3 +128,41 @@ def check_window(
     if not isinstance(shared_anchors, bool):
         raise TypeError(f"shared_anchors must be a bool, got {shared_anchors!r}")
     return trajectory_layout(T, window, shared_anchors)
+
+
+def check_anchors(
+    T: int, anchors: object, fold: str
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Explicit anchor steps of a trajectory call (``jagg_trajectory(anchors=)``) and the
+    windows they make.
+
+    ``anchors``: strictly increasing ints in [0, T-1] starting at 0 (a step before the
+    first anchor has no anchor to fold onto); for ``fold="linear"`` also ending at T-1 (a
+    step after the last anchor has no later anchor to interpolate towards).  Windows:
+    linear, the anchor pairs (a_i, a_{i+1}) (shared boundaries); causal, the segments
+    (a_i, a_{i+1} - 1) and (a_{n-1}, T-1), each step in the window of the anchor it
+    folds onto (as :func:`causal_layout`'s).
+    """
+    what = f"a strictly increasing sequence of ints in [0, T-1={T - 1}] starting at 0" + (
+        f" and ending at T-1={T - 1} (fold='linear')" if fold == "linear" else ""
+    )
+    if isinstance(anchors, torch.Tensor):
+        if anchors.dim() != 1 or anchors.is_floating_point() or anchors.dtype == torch.bool:
+            raise TypeError(f"anchors must be {what}, got a tensor of shape "
+                            f"{tuple(anchors.shape)} and dtype {anchors.dtype}")  # fmt: skip
+        anchors = anchors.tolist()
+    if isinstance(anchors, (str, bytes)) or not hasattr(anchors, "__iter__"):
+        raise TypeError(f"anchors must be {what}, got {anchors!r}")
+    a = [as_int("anchors", x, what) for x in anchors]  # type: ignore[attr-defined]
+    bad = (
+        not a
+        or a[0] != 0
+        or a[-1] > T - 1
+        or any(y <= x for x, y in zip(a, a[1:]))
+        or (fold == "linear" and (a[-1] != T - 1 or len(a) < 2))
+    )
+    if bad:
+        raise ValueError(f"anchors must be {what}, got {a}")
+    if fold == "linear":
+        return a, list(zip(a[:-1], a[1:]))
+    return a, list(zip(a, [x - 1 for x in a[1:]] + [T - 1]))

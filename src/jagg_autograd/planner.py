@@ -8,7 +8,8 @@ a step k strictly between its anchors p < k < q:
 * ``fold="linear"`` (JAGG's):  alpha = (t_k - t_p) / (t_q - t_p),  w_cur = 1 - alpha
   (onto p), w_nxt = alpha (onto q);
 * ``fold="causal"``:  w_cur = 1, w_nxt = 0 — each step folds onto the anchor at or
-  before it only (its uniform anchors: :func:`~jagg_autograd.layout.causal_layout`).
+  before it only (on a prefix of the sampler's steps the trainer places its uniform
+  anchors by :func:`~jagg_autograd.layout.causal_layout`).
 
 (an anchor: w_cur = 1, w_nxt = 0; a step before the sample's first anchor: 0, 0, and after
 its last anchor: linear 0, 0, causal 1, 0 — such steps must carry zero upstream gradient

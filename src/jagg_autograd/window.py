@@ -197,6 +197,7 @@ def jagg_trajectory(
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
     fold: str = "linear",
+    anchors: Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 
@@ -206,10 +207,13 @@ def jagg_trajectory(
     gradient is its own g plus sum alpha_k g_k of the window on its left plus
     sum (1-alpha_k) g_k of the window on its right.  ``shared_anchors=False`` is the
     paper's layout of disjoint windows (2 anchors each; a last single step is exact).
-    ``fold="causal"`` without a router places the same number of anchors for the causal
-    fold instead (:func:`~jagg_autograd.layout.causal_layout`: n segments, the longer first; no
-    end anchor that would serve only itself).  Routing is per sample and per window.  Other
-    arguments as in :func:`jagg_window`; stats.scores / stats.exact are (n_windows, B).
+    ``anchors=`` (uniform placement, no router) replaces that layout with explicit anchor
+    steps, strictly increasing from 0 (and ending at T-1 for ``fold="linear"``); for the
+    causal fold on a prefix of the sampler's steps pass
+    ``causal_layout(T, n)[0]`` (:func:`~jagg_autograd.layout.causal_layout`: the window
+    layout's end anchor would serve only itself there).  Routing is per sample and per
+    window.  Other arguments as in :func:`jagg_window`; stats.scores / stats.exact are
+    (n_windows, B).
 
     Which path when (T = 10, W = 4 measured in ``benchmarks/floor.py``):
 
