@@ -4,8 +4,10 @@ kernel with causal weights, and the group-fair adaptive planner's scale invarian
 
 from __future__ import annotations
 
+import functools
 import os
 
+import numpy as np
 import pytest
 import torch
 from fields import MLPField, params_grad, rel_err
@@ -144,6 +146,9 @@ def test_explicit_anchors_replace_the_window_layout():
         ({"anchors": [0.0, 9.0]}, TypeError, "anchors"),
         ({"anchors": "09"}, TypeError, "anchors"),
         ({"anchors": torch.tensor([[0, 9]])}, TypeError, "anchors"),
+        ({"anchors": torch.tensor([True, False])}, TypeError, "anchors"),
+        ({"anchors": [0, True]}, TypeError, "anchors"),  # a bool is not a step
+        ({"anchors": [0, 9], "placement": "adaptve"}, ValueError, "placement"),
         ({"anchors": [0, 9], "router": CosineRouter(threshold=0.5)}, ValueError, "router"),
         ({"anchors": [0, 9], "placement": "adaptive", "deferred": True}, ValueError,
          "placement"),
@@ -160,8 +165,52 @@ def test_explicit_anchors_are_validated_before_any_model_call(kw, err, match):
     with pytest.raises(err, match=match):
         jagg_trajectory(model, lat, _t(10), window=4, **kw)
     assert not calls
-    # The causal fold needs no end anchor.
+    # The causal fold needs no end anchor; numpy and tensor integers are steps.
     assert jagg_trajectory(model, lat, _t(10), window=4, fold="causal", anchors=[0, 3]).shape
+    assert jagg_trajectory(model, lat, _t(10), window=4, anchors=np.array([0, 4, 9])).shape
+    assert jagg_trajectory(model, lat, _t(10), window=4, anchors=torch.tensor([0, 9])).shape
+
+
+@pytest.mark.parametrize("fold,anchors", [("causal", [0, 3]), ("linear", [0, 2, 9])])
+def test_gradient_fidelity_checks_explicit_anchors(fold, anchors):
+    """gradient_fidelity(anchors=) compares the gradient the explicit layout gives (the
+    trainer's on a prefix) with the exact one; its windows follow the anchors."""
+    from jagg_autograd import gradient_fidelity
+
+    model = MLPField(3, seed=2)
+    g = torch.Generator().manual_seed(5)
+    lat = torch.randn(10, 3, 3, generator=g, dtype=F64)
+    up = torch.randn(10, 3, 3, generator=g, dtype=F64)
+    t = _t(10)
+    ps = [p for p in model.parameters()]
+
+    def grads(**kw):
+        v = jagg_trajectory(model, lat, t, window=4, **kw)
+        return torch.cat([x.flatten() for x in torch.autograd.grad((v * up).sum(), ps)])
+
+    ex, jg = grads(mode="exact"), grads(fold=fold, anchors=anchors)
+    rep = gradient_fidelity(model, lat, t, up, window=4, fold=fold, anchors=anchors)
+    want = float(torch.nn.functional.cosine_similarity(ex, jg, dim=0))
+    assert rep.cosine == pytest.approx(want, rel=1e-9)
+    assert rep.cosine != pytest.approx(
+        gradient_fidelity(model, lat, t, up, window=4, fold=fold).cosine, rel=1e-6
+    )  # the window layout's is another gradient
+    ends = [*anchors[1:], 10] if fold == "causal" else anchors[1:]
+    lo = anchors if fold == "causal" else anchors[:-1]
+    hi = [e - 1 for e in ends] if fold == "causal" else ends
+    assert rep.windows == list(zip(lo, hi))
+    calls = []
+
+    def counted(z, tt):
+        calls.append(1)
+        return model(z, tt)
+
+    with pytest.raises(ValueError, match="window="):
+        gradient_fidelity(counted, lat[:4], t[:4], up[:4], params=ps, anchors=[0, 3])
+    with pytest.raises(ValueError, match="router"):
+        gradient_fidelity(counted, lat, t, up, params=ps, window=4, anchors=anchors,
+                          fold=fold, router=CosineRouter(threshold=0.5))  # fmt: skip
+    assert not calls
 
 
 def test_trainer_places_causal_anchors_on_a_prefix_only():
@@ -188,6 +237,39 @@ def test_trainer_places_causal_anchors_on_a_prefix_only():
     assert anchors(torch.zeros(5, 4, dtype=torch.long), fold="causal",
                    timestep_fraction=0.5, timestep_selection="random") is None  # fmt: skip
     assert anchors((0, 5), fold="causal", timestep_fraction=0.5, placement="adaptive") is None
+
+
+def test_trainer_runs_the_causal_anchors_it_places(monkeypatch):
+    """The anchors the estimator decides reach the core call of a real minibatch (window 5
+    over the first 5 of 10 steps: {0, 3}); training every step passes none."""
+    import jagg_autograd.rollout as rollout
+    from jagg_autograd.estimators import Minibatch
+    from jagg_autograd.grpo import group_advantages
+    from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
+
+    seen = []
+    real = rollout.jagg_trajectory  # the estimator's core call goes through rollout
+
+    @functools.wraps(real)
+    def spy(*args, **kw):
+        seen.append(kw.get("anchors"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rollout, "jagg_trajectory", spy)
+    for frac, want in ((0.5, [0, 3]), (1.0, None)):
+        tr = GRPOTrainer(GRPOConfig(steps=1, prompts_per_step=2, group_size=2, num_steps=10,
+                                    window=5, fold="causal", timestep_fraction=frac,
+                                    eval_per_digit=0, grid_samples=0, progress=False))  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        prompts, groups = tr._group(tr.task.sample_prompts(2, g))
+        traj = tr._sample(prompts, g)
+        adv = group_advantages(tr.task.reward(traj.latents[-1], prompts), groups)
+        mb = Minibatch(traj, adv, tr.estimator.train_steps(traj.batch_size, g))
+        seen.clear()
+        res = tr.estimator.loss(tr, mb, generator=g, on_policy=True, inline_backward=True)
+        if not res.backward_done:
+            res.loss.backward()
+        assert seen and all(a == want for a in seen), (frac, seen)
 
 
 class _Traj:

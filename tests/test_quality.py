@@ -26,6 +26,7 @@ from benchmarks.quality import (
     per_seed_summary,
     plan,
     run_seed,
+    run_study,
     studies_for,
     target_rows,
     variant_config,
@@ -215,6 +216,10 @@ def test_time_ratios_of_runs_timed_apart_are_flagged():
     assert rows[f"{DEFAULT}: {tr}"]["met"] is True
     apart = rows[f"adaptive_b4: {tr}"]
     assert apart["met"] is None and "NOT timed with exact" in apart["detail"]
+    step = rows["adaptive_b4: whole GRPO step <= 0.64 of exact"]
+    wall = rows["adaptive_b4: reward vs wall-clock above exact at every evaluation after the initial"]
+    assert step["met"] is None and wall["met"] is None and "NOT timed" in wall["detail"]
+    assert rows[f"{DEFAULT}: whole GRPO step <= 0.64 of exact"]["met"] is True
     # One seed timed together and one apart still counts as apart.
     per_seed[1]["adaptive_b4"] = at(per_seed[1]["adaptive_b4"], "10:05:00", 500.0)
     assert aggregate(per_seed)["adaptive_b4"]["timed_with_ref"] is False
@@ -381,6 +386,18 @@ def test_resume_trains_only_the_added_variant(tmp_path: Path):
         assert a == b, key
     # A changed setting does not keep the run.
     assert finished_runs(raw, "digits", 2, names, dict(study, lr=3e-4)) == {}
+    # A study that no longer names a variant reports only its own, though the raw file
+    # keeps the other run (nothing is trained: the memory step only).
+    out = tmp_path / "study"
+    (out / "raw").mkdir(parents=True)
+    kept = _job_file(out / "raw", "digits", 2)
+    kept.write_text(raw.read_text())
+    res = run_study({"digits": dict(study, seeds=[2], variants=["exact"])}, out,
+                    workers=1, progress=False, resume=True)  # fmt: skip
+    assert list(json.loads(kept.read_text())) == names
+    t = res["tasks"]["digits"]
+    assert t["variants"] == ["exact"] and list(t["aggregate"]) == ["exact"]
+    assert t["per_seed"]["2"]["exact"]["train_seconds"] == first["train_seconds"]
 
 
 def test_pinned_variant_settings_survive_the_study_settings():

@@ -32,6 +32,7 @@ from jagg_autograd._backend import check_backend_runnable
 from jagg_autograd.checks import (
     BATCHINGS,
     MODES,
+    PLACEMENTS,
     autocast_state,
     check_bool,
     check_budget,
@@ -257,7 +258,9 @@ def parse_call(
     if options.anchors is not None:
         # Explicit anchors replace the window layout (its count sets the default budget).
         fold = check_fold(options.fold)
-        if options.router is not None or options.placement != "uniform":
+        # A misspelt placement is named as such, not as a conflict with anchors=.
+        placement = check_choice("placement", options.placement, PLACEMENTS)
+        if options.router is not None or placement != "uniform":
             raise ValueError(
                 "anchors= is the uniform placement's layout without a router (a router tests "
                 "the window layout; placement='adaptive' chooses its own), got "

@@ -167,8 +167,8 @@ class GRPOConfig:
                    "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
                    "group-fair advantages) or causal (the anchor at or before the step; "
                    "unbiased for any advantages, lower per-batch cosine; on a prefix of "
-                   "the steps, timestep_fraction < 1, the window layout's anchor count "
-                   "placed by causal_layout)",
+                   "the steps, timestep_fraction < 1, with uniform placement and no router, the "
+                   "window layout's anchor count placed by causal_layout)",
                    choices=FOLDS)  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
                               "(None: the uniform count)")  # fmt: skip

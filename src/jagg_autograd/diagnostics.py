@@ -230,6 +230,7 @@ def gradient_fidelity(
     placement: str = "uniform",
     budget: float | None = None,
     fold: str = "linear",
+    anchors: Sequence[int] | None = None,
 ) -> FidelityReport:
     """Compare JAGG's parameter gradient with the exact one on one rollout of your model.
 
@@ -271,6 +272,9 @@ def gradient_fidelity(
             window each way, the exact one through the whole rollout's graph.
         values, deferred, placement, budget, fold: the JAGG run's, as in
             :func:`jagg_window` (the routed run keeps uniform anchors).
+        anchors: explicit anchor steps of a trajectory (``window`` given), as in
+            :func:`jagg_trajectory` (e.g. the trainer's ``causal_layout`` anchors on a
+            prefix); the exact run's windows (``per_window``) follow them.  No router.
 
     Returns:
         a :class:`FidelityReport`.  One batch's cosine mostly measures how well the
@@ -306,6 +310,8 @@ def gradient_fidelity(
         raise TypeError(f"shared_anchors must be a bool, got {shared_anchors!r}")
     if not isinstance(per_window, bool):
         raise TypeError(f"per_window must be a bool, got {per_window!r}")
+    if anchors is not None and window is None:
+        raise ValueError("anchors= is a trajectory's layout: pass window= as well (an int)")
     with torch.enable_grad():
         runs = _parse_runs(model, latents, timesteps, upstream, options_from(locals()))
         upstream, ps = runs.upstream, runs.params

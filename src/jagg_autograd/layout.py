@@ -159,7 +159,7 @@ def check_anchors(
         or a[0] != 0
         or a[-1] > T - 1
         or any(y <= x for x, y in zip(a, a[1:]))
-        or (fold == "linear" and (a[-1] != T - 1 or len(a) < 2))
+        or (fold == "linear" and a[-1] != T - 1)
     )
     if bad:
         raise ValueError(f"anchors must be {what}, got {a}")

@@ -208,7 +208,8 @@ def jagg_trajectory(
     sum (1-alpha_k) g_k of the window on its right.  ``shared_anchors=False`` is the
     paper's layout of disjoint windows (2 anchors each; a last single step is exact).
     ``anchors=`` (uniform placement, no router) replaces that layout with explicit anchor
-    steps, strictly increasing from 0 (and ending at T-1 for ``fold="linear"``); for the
+    steps, strictly increasing from 0 (and ending at T-1 for ``fold="linear"``);
+    ``window`` is still checked but places no anchor.  For the
     causal fold on a prefix of the sampler's steps pass
     ``causal_layout(T, n)[0]`` (:func:`~jagg_autograd.layout.causal_layout`: the window
     layout's end anchor would serve only itself there).  Routing is per sample and per
