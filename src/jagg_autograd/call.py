@@ -32,7 +32,6 @@ from jagg_autograd._backend import check_backend_runnable
 from jagg_autograd.checks import (
     BATCHINGS,
     MODES,
-    PLACEMENTS,
     autocast_state,
     check_bool,
     check_budget,
@@ -255,19 +254,17 @@ def parse_call(
     # The layout first: a (B, T, ...) buffer is named as such, not as a bad window.
     t64 = check_timesteps(timesteps, latents)
     anchors, windows = check_window(T, options.window, options.shared_anchors, trajectory)
+    opts = check_options(options, latents, len(anchors))
     if options.anchors is not None:
-        # Explicit anchors replace the window layout (its count sets the default budget).
-        fold = check_fold(options.fold)
-        # A misspelt placement is named as such, not as a conflict with anchors=.
-        placement = check_choice("placement", options.placement, PLACEMENTS)
-        if options.router is not None or placement != "uniform":
+        # Explicit anchors replace the window layout (the window's anchor count stays the
+        # default budget, which only adaptive placement reads, refused here).
+        if opts.router is not None or opts.placement != "uniform":
             raise ValueError(
                 "anchors= is the uniform placement's layout without a router (a router tests "
                 "the window layout; placement='adaptive' chooses its own), got "
-                f"router={options.router!r}, placement={options.placement!r}"
+                f"router={opts.router!r}, placement={opts.placement!r}"
             )
-        anchors, windows = check_anchors(T, options.anchors, fold)
-    opts = check_options(options, latents, len(anchors))
+        anchors, windows = check_anchors(T, options.anchors, opts.fold)
     check_model(model, device, opts.router)
     # Called from here directly: its warning's stacklevel names the public function's caller.
     cond, batched = check_cond(opts.cond, B, device, opts.batched_cond)
