@@ -681,15 +681,14 @@ def target_rows(
         )
         tr = _m(agg, d, "train_seconds_ratio")
         apart = not agg.get(d, {}).get("timed_with_ref", True)
+        apart_note = "; NOT timed with exact (another process): see benchmarks.train_phase" * apart
         add(
             f"{d}: training phase <= {bar['train_ratio']} of exact (on-policy minibatches)",
             tr,
             None if apart else tr <= bar["train_ratio"],
-            "one optimizer step per rollout: every minibatch on-policy"
-            + ("; NOT timed with exact (another process): see benchmarks.train_phase" * apart),
+            "one optimizer step per rollout: every minibatch on-policy" + apart_note,
         )
         sr = _m(agg, d, "step_seconds_ratio")
-        apart_note = "; NOT timed with exact (another process)" * apart
         add(
             f"{d}: whole GRPO step <= {TARGET_STEP_RATIO} of exact",
             sr,
