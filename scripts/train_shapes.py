@@ -20,8 +20,12 @@ accuracy 0.208 -> 0.307 (position 0.03 -> 0.16, colour attribution 0.00 -> 0.09,
 objects 0.09 -> 0.19, colours 0.56 -> 0.78); its meta file keeps stage 1's settings and
 figures under ``init``.  A third stage (3000 more steps at lr 3e-4, position and colour
 attribution drawn 3x / 4x) made two objects and position worse at the same sampler (strict
-0.19 -> 0.09, 0.16 -> 0.03) and was not kept (benchmarks/results/shapes/SHAPES.md).  The
-paragraph below is about stage 1.
+0.19 -> 0.09, 0.16 -> 0.03) and was not kept (benchmarks/results/shapes/SHAPES.md); nor
+were two drawing 30 % / 70 % of each batch's noise levels uniformly (``--uniform-t-frac``:
+strict +0.031 / +0.017, position and colour attribution still <= 0.11).  The meta file's
+evaluations use 32 prompts per category (about +-0.065 per category); compare models with
+``python -m benchmarks.shapes_base`` (768 samples, standard errors, blank / merged
+pictures).  The paragraph below is about stage 1.
 
 Rectified-flow pre-training of :class:`jagg_autograd.models.shapes.ShapesModel` on clean
 renders of the task's prompts (:mod:`jagg_autograd.tasks.shapes_scenes`), drawn on the fly:

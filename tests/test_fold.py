@@ -216,7 +216,10 @@ def test_gradient_fidelity_checks_explicit_anchors(fold, anchors):
 def test_trainer_places_causal_anchors_on_a_prefix_only():
     """The JAGG estimator passes causal_layout's anchors for the causal fold on a prefix of
     the sampler's steps (timestep_fraction < 1), the window layout elsewhere."""
+    import dataclasses
+
     from jagg_autograd.estimators import Minibatch
+    from jagg_autograd.runlog import describe_method
     from jagg_autograd.trainer import GRPOConfig, GRPOTrainer
 
     tiny = dict(steps=1, prompts_per_step=2, group_size=2, num_steps=10, window=4,
@@ -224,7 +227,11 @@ def test_trainer_places_causal_anchors_on_a_prefix_only():
 
     def anchors(steps, **kw):
         tr = GRPOTrainer(GRPOConfig(**tiny, **kw))
-        return tr.estimator.causal_anchors(Minibatch(_Traj(10), torch.zeros(4), steps))
+        out = tr.estimator.causal_anchors(Minibatch(_Traj(10), torch.zeros(4), steps))
+        # The run's log line names the layout exactly where the run uses it.
+        words = describe_method(dataclasses.asdict(tr.config))
+        assert ("causal_layout anchors" in words) == (out is not None), words
+        return out
 
     # The window layout's count over the trained steps, placed by causal_layout.
     assert anchors((0, 5), fold="causal", timestep_fraction=0.5) == [0, 2, 4]  # 0, 3, 4

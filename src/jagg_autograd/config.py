@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from jagg_autograd.checks import PLACEMENTS
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
@@ -43,7 +44,6 @@ SAMPLERS = ("sde", "ode")
 SCHEDULES = ("linear", "shifted")
 TUNING = ("full", "lora")
 PRECISIONS = ("fp32", "bf16")
-PLACEMENTS = ("uniform", "adaptive")
 SDE_TYPES = ("flow", "dance")
 #: The field groups, in the order ``--help`` lists them.
 GROUPS = ("task", "gradient", "rollout", "optimisation", "run")

@@ -59,6 +59,14 @@ class JaggEstimator(Estimator):
                 "placement=), which this build of jagg_autograd.window does not have"
             )
 
+    @classmethod
+    def places_causal_layout(cls, fold: str, placement: str) -> bool:
+        """Whether this estimator gives the causal fold :func:`causal_layout` anchors where
+        the trained steps are a prefix: uniform placement (the adaptive planner places its
+        own) and no router (its windows are the window layout's).  One rule for the run
+        (:meth:`causal_anchors`) and its log line (:meth:`describe`)."""
+        return fold == "causal" and placement == "uniform"
+
     def causal_anchors(self, mb: Minibatch) -> list[int] | None:
         """The causal fold's anchors on a prefix of the sampler's steps, else None (the
         window layout).
@@ -71,7 +79,7 @@ class JaggEstimator(Estimator):
         10 steps, 4 anchors: 0.916 at {0, 3, 6, 9} vs 0.843 at {0, 3, 6, 8}).  Random
         per-sample steps (DanceGRPO's selection) keep the window layout."""
         c = self.config
-        if c.fold != "causal" or self.router is not None or self.adaptive:
+        if not self.places_causal_layout(c.fold, c.placement):
             return None
         if not isinstance(mb.steps, tuple) or mb.steps[1] >= mb.traj.num_steps:
             return None
@@ -144,7 +152,7 @@ class JaggEstimator(Estimator):
             prefix = cfg.get("timestep_fraction", 1.0) < 1.0 and (
                 cfg.get("timestep_selection", "prefix") == "prefix"
             )
-            if prefix and cfg["mode"] == "jagg" and cfg.get("placement") == "uniform":
+            if prefix and cls.places_causal_layout(cfg["fold"], cfg.get("placement", "uniform")):
                 extras[-1] += " (causal_layout anchors over the trained prefix)"
         if extras:
             txt += ", " + ", ".join(extras)
@@ -168,6 +176,10 @@ class RouterEstimator(JaggEstimator):
     @property
     def adaptive(self) -> bool:
         return False  # the router and the adaptive budget do not combine
+
+    @classmethod
+    def places_causal_layout(cls, fold: str, placement: str) -> bool:
+        return False  # the router decides on the window layout's windows
 
     def resolve(self, d: dict[str, Any]) -> None:
         d["placement"] = "uniform"
