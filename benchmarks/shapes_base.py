@@ -42,16 +42,27 @@ if __package__ in (None, ""):  # `python benchmarks/shapes_base.py`
 import torch
 
 from benchmarks.common import machine_info, write_report
-from jagg_autograd.models.shapes import ASSETS_DIR, load_shapes_model, sample_shapes
+from jagg_autograd.models.shapes import ASSETS_DIR, ShapesModel, load_shapes_model, sample_shapes
 from jagg_autograd.tasks.shapes import ShapesTask
 from jagg_autograd.tasks.shapes_reward import detect_objects
-from jagg_autograd.tasks.shapes_scenes import CATEGORIES, SIZES, eval_prompt_set, parse_prompt
+from jagg_autograd.tasks.shapes_scenes import (
+    CATEGORIES,
+    COLORS,
+    SHAPES,
+    SIZES,
+    all_prompts,
+    eval_prompt_set,
+    parse_prompt,
+)
 
 #: A rendered object's box is at most 2 * max(SIZES) + 1 px on a side; a generated one may
 #: carry a blurry one-pixel rim, so a component of more than MERGED_AREA pixels is not one
 #: object.
 LARGEST_SIDE = 2 * max(SIZES) + 1
 MERGED_AREA = (LARGEST_SIDE + 2) ** 2
+_REVERSED = {"left": "right", "right": "left", "above": "below", "below": "above"}
+#: The categories whose prompts bind words to one of two objects.
+BINDING_CATEGORIES = ("color_attr", "position")
 CONFIGS = {
     "quick": {"per_category": 2, "noise_seeds": [12345]},
     "full": {"per_category": 64, "noise_seeds": [12345, 777]},
@@ -65,6 +76,56 @@ def failure_flags(image: torch.Tensor) -> tuple[bool, bool]:
     if not dets:
         return True, False
     return False, any(d.area > MERGED_AREA for d in dets)
+
+
+def swapped(prompt: str) -> str:
+    """The same words bound the other way: a colour-attribution prompt with its two colours
+    exchanged, a position prompt with its relation reversed (nouns stay in place)."""
+    words = prompt.split()
+    category = parse_prompt(prompt).category
+    if category == "color_attr":
+        i, j = (k for k, w in enumerate(words) if w in COLORS)
+        words[i], words[j] = words[j], words[i]
+    elif category == "position":
+        words = [_REVERSED.get(w, w) for w in words]
+    else:
+        raise ValueError(f"prompt must be a color_attr or position prompt, got {prompt!r}")
+    return " ".join(words)
+
+
+@torch.no_grad()
+def binding_probe(model: ShapesModel) -> dict[str, dict[str, float]]:
+    """Does the text encoder put a noun's colour (or relation) into the noun's embedding?
+
+    For every prompt of the binding categories and its :func:`swapped` twin, the relative
+    change ``||e_swapped - e|| / ||e||`` of the text encoder's output at each noun (first
+    and second object; the nouns' own words and positions are the same in both prompts, so
+    only context can change them), and at the words that were exchanged (the scale of a
+    change of meaning).  A per-token encoder gives 0 at the nouns: the MMDiT would then have
+    to pair each colour with its noun from the token positions alone.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for cat in BINDING_CATEGORIES:
+        prompts = all_prompts(cat)
+        tok, _ = model.text_encoder(model.tokenizer(prompts))
+        tok_sw, _ = model.text_encoder(model.tokenizer([swapped(p) for p in prompts]))
+        rel = (tok - tok_sw).norm(dim=-1) / tok.norm(dim=-1).clamp_min(1e-12)  # (N, L)
+        nouns: list[list[float]] = [[], []]
+        changed: list[float] = []
+        for k, (p, q) in enumerate(zip(prompts, map(swapped, prompts), strict=True)):
+            # Position 0 is <cls>: word i sits at i + 1.
+            words = list(zip(p.split(), q.split(), strict=True))
+            at = [i + 1 for i, (w, _) in enumerate(words) if w in SHAPES]
+            for n, i in enumerate(at):
+                nouns[n].append(float(rel[k, i]))
+            changed += [float(rel[k, i + 1]) for i, (w, v) in enumerate(words) if w != v]
+        out[cat] = {
+            "first_noun": sum(nouns[0]) / len(nouns[0]),
+            "second_noun": sum(nouns[1]) / len(nouns[1]),
+            "swapped_words": sum(changed) / len(changed),
+            "prompts": len(prompts),
+        }
+    return out
 
 
 def evaluate_model(
@@ -115,6 +176,7 @@ def evaluate_model(
     strict = figures["strict_accuracy"]
     return {
         "weights_dir": str(weights_dir),
+        "binding_probe": binding_probe(model),
         "samples": len(all_prompts),
         "strict_accuracy": strict,
         "strict_se": math.sqrt(strict * (1 - strict) / len(all_prompts)),
@@ -175,6 +237,21 @@ def report(res: dict[str, Any]) -> str:
             for c in CATEGORIES
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Text-encoder binding probe (`binding_probe`): relative change of the text encoder's "
+        "output at each object noun when the prompt's colours are exchanged (color_attr) or "
+        "its relation reversed (position), against the change at the exchanged words:",
+        "",
+        "| model | category | first noun | second noun | exchanged words |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in res["models"].items():
+        for cat, b in m["binding_probe"].items():
+            lines.append(
+                f"| {name} | {cat} | {b['first_noun']:.3f} | {b['second_noun']:.3f} | "
+                f"{b['swapped_words']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

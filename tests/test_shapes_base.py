@@ -65,5 +65,43 @@ def test_shapes_base_quick(run_benchmark) -> None:
         assert pc["strict_se"] == pytest.approx(math.sqrt(p * (1 - p) / n))
         # A blank picture is never strictly correct: at most the non-blank share is.
         assert p <= 1 - pc["blank"] + 1e-12
+    probe = m["binding_probe"]
+    assert set(probe) == {"color_attr", "position"}
+    assert all(0 <= v["first_noun"] < v["swapped_words"] for v in probe.values())
     md = (out / "SHAPES_BASE.md").read_text()
-    assert "| shipped |" in md
+    assert "| shipped |" in md and "| shipped | color_attr |" in md
+
+
+def test_swapped_prompts_bind_the_other_way() -> None:
+    from benchmarks.shapes_base import swapped
+
+    assert swapped("a photo of a red circle and a blue square") == (
+        "a photo of a blue circle and a red square"
+    )
+    assert swapped("a photo of a triangle above a circle") == "a photo of a triangle below a circle"
+    assert (
+        swapped("a photo of a square left of a circle") == "a photo of a square right of a circle"
+    )
+    with pytest.raises(ValueError, match="color_attr or position"):
+        swapped("a photo of a red circle")
+
+
+def test_binding_probe_is_zero_for_a_per_token_encoder() -> None:
+    """With the attention's output projection zeroed the encoder maps each (word, position)
+    on its own: a noun's output cannot depend on its colour or relation, so the probe must
+    give exactly 0 at the nouns (and not at the exchanged words); with attention it is > 0."""
+    from benchmarks.shapes_base import BINDING_CATEGORIES, binding_probe
+    from jagg_autograd.models.shapes import ShapesModel, ShapesModelConfig
+
+    torch.manual_seed(0)
+    model = ShapesModel(ShapesModelConfig(num_layers=1, attention_head_dim=8)).eval()
+    mixed = binding_probe(model)
+    for blk in model.text_encoder.blocks:
+        torch.nn.init.zeros_(blk.proj.weight)
+        torch.nn.init.zeros_(blk.proj.bias)
+    alone = binding_probe(model)
+    assert set(alone) == set(BINDING_CATEGORIES)
+    for cat in BINDING_CATEGORIES:
+        assert alone[cat]["first_noun"] == 0.0 and alone[cat]["second_noun"] == 0.0
+        assert alone[cat]["swapped_words"] > 0.1
+        assert mixed[cat]["first_noun"] > 1e-4 and mixed[cat]["second_noun"] > 1e-4

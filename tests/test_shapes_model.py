@@ -254,6 +254,19 @@ def test_training_script_options_change_the_run_and_default_reproduces():
     sb, ss, su = base.state_dict(), same.state_dict(), unif.state_dict()
     assert all(torch.equal(sb[k], ss[k]) for k in sb)
     assert any(not torch.equal(sb[k], su[k]) for k in sb)
+    # --text-lr-mult: 1 is the default path; otherwise the text encoder moves further
+    # from its initialisation while the MMDiT's first step (Adam: ~lr per weight) does not.
+    one, _ = mod.train({**settings, "text_lr_mult": 1.0}, log_every=10**9)
+    fast, _ = mod.train({**settings, "text_lr_mult": 10.0}, log_every=10**9)
+    torch.manual_seed(settings["seed"])  # train()'s initialisation
+    init = mod.ShapesModel(base.config).state_dict()
+    so, sf = one.state_dict(), fast.state_dict()
+    assert all(torch.equal(sb[k], so[k]) for k in sb)
+
+    def moved(sd, prefix):
+        return sum((sd[k] - init[k]).abs().sum().item() for k in sd if k.startswith(prefix))
+
+    assert moved(sf, "text_encoder.") > 3 * moved(sb, "text_encoder.")
     # category weights: all mass on one category draws only its prompts
     caps = mod.sample_captions(50, np.random.default_rng(0), [0, 0, 0, 0, 1, 0])
     from jagg_autograd.tasks.shapes_scenes import parse_prompt
