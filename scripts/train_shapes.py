@@ -24,10 +24,9 @@ attribution drawn 3x / 4x) made two objects and position worse at the same sampl
 were two drawing 30 % / 70 % of each batch's noise levels uniformly (``--uniform-t-frac``:
 strict +0.031 / +0.017, position and colour attribution still <= 0.11), nor the first with
 the text encoder at 5x / 20x the learning rate (``--text-lr-mult``: colour attribution 0.07
-/ 0.06).  The meta file's
-evaluations use 32 prompts per category (about +-0.065 per category); compare models with
-``python -m benchmarks.shapes_base`` (768 samples, standard errors, blank / merged
-pictures).  The paragraph below is about stage 1.
+/ 0.06).  The meta file's evaluations use 32 prompts per category (about +-0.065 per
+category); compare models with ``python -m benchmarks.shapes_base`` (768 samples, standard
+errors, blank / merged pictures).  The paragraph below is about stage 1.
 
 Rectified-flow pre-training of :class:`jagg_autograd.models.shapes.ShapesModel` on clean
 renders of the task's prompts (:mod:`jagg_autograd.tasks.shapes_scenes`), drawn on the fly:
