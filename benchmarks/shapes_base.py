@@ -107,12 +107,13 @@ def binding_probe(model: ShapesModel) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for cat in BINDING_CATEGORIES:
         prompts = all_prompts(cat)
+        twins = [swapped(p) for p in prompts]
         tok, _ = model.text_encoder(model.tokenizer(prompts))
-        tok_sw, _ = model.text_encoder(model.tokenizer([swapped(p) for p in prompts]))
+        tok_sw, _ = model.text_encoder(model.tokenizer(twins))
         rel = (tok - tok_sw).norm(dim=-1) / tok.norm(dim=-1).clamp_min(1e-12)  # (N, L)
         nouns: list[list[float]] = [[], []]
         changed: list[float] = []
-        for k, (p, q) in enumerate(zip(prompts, map(swapped, prompts), strict=True)):
+        for k, (p, q) in enumerate(zip(prompts, twins, strict=True)):
             # Position 0 is <cls>: word i sits at i + 1.
             words = list(zip(p.split(), q.split(), strict=True))
             at = [i + 1 for i, (w, _) in enumerate(words) if w in SHAPES]
@@ -157,9 +158,10 @@ def evaluate_model(
             )
         )
     x = torch.cat(pics)
-    all_prompts = prompts * len(noise_seeds)
+    # Named apart from the imported all_prompts(): the set once per noise draw.
+    drawn_prompts = prompts * len(noise_seeds)
     all_cats = cats * len(noise_seeds)
-    figures = task.eval_breakdown(x, all_prompts)
+    figures = task.eval_breakdown(x, drawn_prompts)
     flags = [failure_flags(im) for im in x]
     per_cat: dict[str, dict[str, float]] = {}
     for c in CATEGORIES:
@@ -177,9 +179,9 @@ def evaluate_model(
     return {
         "weights_dir": str(weights_dir),
         "binding_probe": binding_probe(model),
-        "samples": len(all_prompts),
+        "samples": len(drawn_prompts),
         "strict_accuracy": strict,
-        "strict_se": math.sqrt(strict * (1 - strict) / len(all_prompts)),
+        "strict_se": math.sqrt(strict * (1 - strict) / len(drawn_prompts)),
         "mean_reward": sum(per_cat[c]["mean_reward"] for c in CATEGORIES) / len(CATEGORIES),
         "blank": sum(f[0] for f in flags) / len(flags),
         "per_category": per_cat,
