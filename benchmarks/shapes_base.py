@@ -33,6 +33,7 @@ import datetime as _dt
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,13 @@ import torch
 from benchmarks.common import machine_info, write_report
 from jagg_autograd.models.shapes import ASSETS_DIR, ShapesModel, load_shapes_model, sample_shapes
 from jagg_autograd.tasks.shapes import ShapesTask
-from jagg_autograd.tasks.shapes_reward import detect_objects
+from jagg_autograd.tasks.shapes_reward import UNKNOWN, Detection, detect_objects
 from jagg_autograd.tasks.shapes_scenes import (
     CATEGORIES,
     COLORS,
     SHAPES,
     SIZES,
+    PromptSpec,
     all_prompts,
     eval_prompt_set,
     parse_prompt,
@@ -72,10 +74,70 @@ CONFIGS = {
 def failure_flags(image: torch.Tensor) -> tuple[bool, bool]:
     """``(blank, merged)`` of one picture ``(3, 32, 32)``: no detection at all; a detection
     of more pixels than the largest rendered object with a blurry rim (:data:`MERGED_AREA`)."""
-    dets = detect_objects(image)
+    return _flags(detect_objects(image))
+
+
+def _flags(dets: list[Detection]) -> tuple[bool, bool]:
     if not dets:
         return True, False
     return False, any(d.area > MERGED_AREA for d in dets)
+
+
+def _sides(first: str, second: str, left: str, right: str) -> str:
+    if (left, right) == (first, second):
+        return "in_order"
+    return "swapped" if (left, right) == (second, first) else "other"
+
+
+def pair_anatomy(detections: list[list[Detection]], prompts: list[str]) -> dict[str, Any]:
+    """How a model draws the prompts that name two different objects without a relation
+    (``two_object``, ``color_attr``): which shapes it draws, and which side each goes to.
+
+    Over the pictures with exactly two detections (``two_detected`` of all such pictures):
+    ``asked_shapes``, the fraction of the detections whose shapes are the ones asked for
+    (as a multiset: two circles for "a circle and a square" is one of two); ``drawn``, the
+    share of each shape among the detections (the prompts ask for each shape equally);
+    ``shape_sides`` / ``color_sides`` (the latter on ``color_attr``), the fraction whose
+    left and right detection carry the first and second named shape / colour
+    (``in_order``), the reverse (``swapped``), or neither (``other``).  A model that binds
+    a colour to its noun but not to a side gets ``in_order`` ~ ``swapped``; one that draws
+    the named objects left to right (``--reading-order`` pre-training) gets ``in_order``
+    >> ``swapped`` whether or not it draws the right shapes.
+    """
+    total = 0
+    pairs: list[tuple[PromptSpec, Detection, Detection]] = []
+    for dets, prompt in zip(detections, prompts, strict=True):
+        spec = parse_prompt(prompt)
+        if spec.category not in ("two_object", "color_attr"):
+            continue
+        total += 1
+        if len(dets) == 2:
+            left, right = sorted(dets, key=lambda d: (d.cx, d.cy))
+            pairs.append((spec, left, right))
+    drawn = Counter(d.shape for _, left, right in pairs for d in (left, right))
+    hits = 0
+    for spec, left, right in pairs:
+        asked = Counter(g.shape for g in spec.groups)
+        hits += sum((asked & Counter((left.shape, right.shape))).values())
+    shape_sides = Counter(
+        _sides(s.groups[0].shape, s.groups[1].shape, a.shape, b.shape) for s, a, b in pairs
+    )
+    color_pairs = [(s, a, b) for s, a, b in pairs if s.category == "color_attr"]
+    color_sides = Counter(
+        _sides(str(s.groups[0].color), str(s.groups[1].color), a.color, b.color)
+        for s, a, b in color_pairs
+    )
+    n = max(len(pairs), 1)
+    return {
+        "pictures": total,
+        "two_detected": len(pairs) / max(total, 1),
+        "asked_shapes": hits / (2 * n),
+        "drawn": {k: drawn[k] / (2 * n) for k in (*SHAPES, UNKNOWN)},
+        "shape_sides": {k: shape_sides[k] / n for k in ("in_order", "swapped", "other")},
+        "color_sides": {
+            k: color_sides[k] / max(len(color_pairs), 1) for k in ("in_order", "swapped", "other")
+        },
+    }
 
 
 def swapped(prompt: str) -> str:
@@ -162,7 +224,8 @@ def evaluate_model(
     drawn_prompts = prompts * len(noise_seeds)
     all_cats = cats * len(noise_seeds)
     figures = task.eval_breakdown(x, drawn_prompts)
-    flags = [failure_flags(im) for im in x]
+    dets = [detect_objects(im) for im in x]
+    flags = [_flags(d) for d in dets]
     per_cat: dict[str, dict[str, float]] = {}
     for c in CATEGORIES:
         idx = [i for i, k in enumerate(all_cats) if k == c]
@@ -179,6 +242,7 @@ def evaluate_model(
     return {
         "weights_dir": str(weights_dir),
         "binding_probe": binding_probe(model),
+        "pair_anatomy": pair_anatomy(dets, drawn_prompts),
         "samples": len(drawn_prompts),
         "strict_accuracy": strict,
         "strict_se": math.sqrt(strict * (1 - strict) / len(drawn_prompts)),
@@ -254,6 +318,28 @@ def report(res: dict[str, Any]) -> str:
                 f"| {name} | {cat} | {b['first_noun']:.3f} | {b['second_noun']:.3f} | "
                 f"{b['swapped_words']:.3f} |"
             )
+    lines += [
+        "",
+        "Two named objects without a relation (two_object, color_attr; `pair_anatomy`): "
+        "pictures with exactly two detections, the fraction of their detections of an asked "
+        "shape, the share of each drawn shape, and which side the first named shape / colour "
+        "goes to (left-right in the prompt's order / swapped / neither):",
+        "",
+        "| model | two detected | asked shapes | drawn " + " / ".join((*SHAPES, UNKNOWN))
+        + " | shapes in order / swapped / other | colours in order / swapped / other |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in res["models"].items():
+        a = m["pair_anatomy"]
+        sides = [
+            " / ".join(f"{a[key][k]:.2f}" for k in ("in_order", "swapped", "other"))
+            for key in ("shape_sides", "color_sides")
+        ]
+        lines.append(
+            f"| {name} | {a['two_detected']:.2f} | {a['asked_shapes']:.2f} | "
+            + " / ".join(f"{a['drawn'][k]:.2f}" for k in (*SHAPES, UNKNOWN))
+            + f" | {sides[0]} | {sides[1]} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,38 @@ def test_failure_flags_on_known_pictures() -> None:
     assert failure_flags(dim) == (True, False)
 
 
+def test_pair_anatomy_on_known_pictures() -> None:
+    """Clean renders: every asked shape drawn; the sides follow the placement."""
+    from benchmarks.shapes_base import pair_anatomy
+    from jagg_autograd.tasks.shapes_reward import detect_objects
+
+    red_circle = SceneObject("circle", "red", 7, 7, 5)
+    blue_square = SceneObject("square", "blue", 24, 20, 5)
+    red_left = detect_objects(_picture([red_circle, blue_square]))
+    # The same boxes with the objects exchanged: the square is now on the left.
+    swapped_pic = [
+        SceneObject("square", "blue", 7, 7, 5), SceneObject("circle", "red", 24, 20, 5)
+    ]
+    blue_left = detect_objects(_picture(swapped_pic))
+    two_circles = detect_objects(
+        _picture([red_circle, SceneObject("circle", "blue", 24, 20, 5)])
+    )
+    ca = "a photo of a red circle and a blue square"
+    a = pair_anatomy(
+        [red_left, blue_left, two_circles, red_left[:1], red_left],
+        [ca, ca, ca, "a photo of a circle and a square", "a photo of a red circle"],
+    )
+    # The single-object prompt is not counted; the one-detection picture is not a pair.
+    assert a["pictures"] == 4 and a["two_detected"] == pytest.approx(3 / 4)
+    # 2 + 2 + 1 asked shapes of 6 detections; two circles are one asked shape of two.
+    assert a["asked_shapes"] == pytest.approx(5 / 6)
+    assert a["drawn"] == pytest.approx(
+        {"circle": 4 / 6, "square": 2 / 6, "triangle": 0.0, "unknown": 0.0}
+    )
+    assert a["shape_sides"] == pytest.approx({"in_order": 1 / 3, "swapped": 1 / 3, "other": 1 / 3})
+    assert a["color_sides"] == pytest.approx({"in_order": 2 / 3, "swapped": 1 / 3, "other": 0.0})
+
+
 def test_parse_models_names_the_bad_entry(tmp_path) -> None:
     from benchmarks.shapes_base import _parse_models
 
@@ -68,8 +100,14 @@ def test_shapes_base_quick(run_benchmark) -> None:
     probe = m["binding_probe"]
     assert set(probe) == {"color_attr", "position"}
     assert all(0 <= v["first_noun"] < v["swapped_words"] for v in probe.values())
+    pa = m["pair_anatomy"]
+    assert 0 <= pa["two_detected"] <= 1 and 0 <= pa["asked_shapes"] <= 1
+    if pa["two_detected"]:
+        assert sum(pa["drawn"].values()) == pytest.approx(1.0)
+        assert sum(pa["shape_sides"].values()) == pytest.approx(1.0)
     md = (out / "SHAPES_BASE.md").read_text()
     assert "| shipped |" in md and "| shipped | color_attr |" in md
+    assert "asked shapes" in md
 
 
 def test_swapped_prompts_bind_the_other_way() -> None:

@@ -117,6 +117,39 @@ def test_render_matches_objects():
             assert relation_holds(spec.relation, (a.cx, a.cy), (b.cx, b.cy))
 
 
+def test_render_reading_order():
+    """``reading_order`` relabels the same placements so that a relation-free prompt's
+    objects run left to right in caption order; other prompts draw exactly as without it."""
+    prompts = all_prompts("two_object") + all_prompts("color_attr")[::9]
+    for seed in range(4):
+        for p in prompts:
+            plain_img, plain = render_prompt(p, np.random.default_rng(seed))
+            img, objs = render_prompt(p, np.random.default_rng(seed), reading_order=True)
+            spec = parse_prompt(p)
+            assert [o.shape for o in objs] == [g.shape for g in spec.groups]
+            assert all(g.color in (None, o.color) for o, g in zip(objs, spec.groups, strict=True))
+            assert [o.cx for o in objs] == sorted(o.cx for o in objs)
+            # the boxes are the plain placement's, so non-overlap and bounds carry over
+            assert sorted((o.cx, o.cy, o.size) for o in objs) == sorted(
+                (o.cx, o.cy, o.size) for o in plain
+            )
+            assert sorted(o.color for o in objs) == sorted(o.color for o in plain)
+            assert np.array_equal(img, render_objects(objs))
+    # the left-to-right rule changes some pictures (it is not a no-op) ...
+    changed = [
+        not np.array_equal(
+            render_prompt(p, np.random.default_rng(i))[0],
+            render_prompt(p, np.random.default_rng(i), reading_order=True)[0],
+        )
+        for i, p in enumerate(prompts)
+    ]
+    assert 0 < sum(changed) < len(changed)
+    # ... and leaves prompts with a relation or a single group alone
+    others = all_prompts("position") + all_prompts("counting") + all_prompts("colors")
+    a = render_batch(others, seed=5)
+    assert torch.equal(a, render_batch(others, seed=5, reading_order=True))
+
+
 def test_render_objects_shapes_and_errors():
     img = render_objects([SceneObject("square", "red", 10, 10, 4)])
     assert (img[6:15, 6:15] == (255, 0, 0)).all() and img.sum() == 81 * 255

@@ -353,42 +353,58 @@ def _place(
     raise RuntimeError("could not place the objects (this should not happen)")  # pragma: no cover
 
 
-def _scene_objects(spec: PromptSpec, rng: np.random.Generator) -> list[SceneObject]:
+def _scene_objects(
+    spec: PromptSpec, rng: np.random.Generator, reading_order: bool = False
+) -> list[SceneObject]:
     colors = list(COLORS)
     items: list[tuple[str, str]] = []
     for g in spec.groups:
         for _ in range(g.count):
             items.append((g.shape, g.color if g.color is not None else str(rng.choice(colors))))
-    return _place(items, rng, spec.relation)
+    placed = _place(items, rng, spec.relation)
+    if reading_order and spec.relation is None and len(spec.groups) > 1:
+        # The placed boxes (centre and size) stay where they are; the objects move into them
+        # from left to right in the caption's order, so the layout stays non-overlapping.
+        boxes = sorted(placed, key=lambda o: (o.cx, o.cy))
+        placed = [SceneObject(o.shape, o.color, b.cx, b.cy, b.size) for o, b in zip(placed, boxes)]
+    return placed
 
 
 def render_prompt(
-    prompt: str | PromptSpec, rng: np.random.Generator
+    prompt: str | PromptSpec, rng: np.random.Generator, *, reading_order: bool = False
 ) -> tuple[np.ndarray, list[SceneObject]]:
     """A random clean picture of ``prompt``: ``((32, 32, 3) uint8, objects)``.
 
     Unspecified colours are uniform over :data:`COLORS`, sizes uniform over :data:`SIZES`
     (the two smaller ones for 4 objects), positions uniform among non-overlapping
     placements; a ``position`` prompt's relation holds with a margin.
+
+    ``reading_order``: a prompt naming different objects without a relation (``two_object``,
+    ``color_attr``) puts them left to right in the order it names them, as captions that
+    describe a picture from left to right do (the same placements, relabelled; nothing
+    else changes).  The reward never asks for it: it only makes the pre-training data tie
+    each named object to a side of the picture.
     """
     spec = parse_prompt(prompt) if isinstance(prompt, str) else prompt
     if not isinstance(spec, PromptSpec):
         raise TypeError(f"prompt must be a str or PromptSpec, got {type(prompt).__name__}")
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy Generator, got {type(rng).__name__}")
-    objects = _scene_objects(spec, rng)
+    objects = _scene_objects(spec, rng, reading_order)
     return render_objects(objects), objects
 
 
-def render_batch(prompts: Sequence[str], seed: int | np.random.Generator) -> torch.Tensor:
+def render_batch(
+    prompts: Sequence[str], seed: int | np.random.Generator, *, reading_order: bool = False
+) -> torch.Tensor:
     """Clean pictures of ``prompts`` as float32 ``(N, 3, 32, 32)`` in ``[-1, 1]``.
 
     Deterministic in ``seed`` (one numpy generator, drawn in prompt order; a Generator is
-    used as it is and advanced).
+    used as it is and advanced).  ``reading_order``: as in :func:`render_prompt`.
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     imgs = (
-        np.stack([render_prompt(p, rng)[0] for p in prompts])
+        np.stack([render_prompt(p, rng, reading_order=reading_order)[0] for p in prompts])
         if len(prompts)
         else np.zeros((0, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
     )
