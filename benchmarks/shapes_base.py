@@ -34,6 +34,7 @@ import math
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,26 +46,31 @@ import torch
 from benchmarks.common import machine_info, write_report
 from jagg_autograd.models.shapes import ASSETS_DIR, ShapesModel, load_shapes_model, sample_shapes
 from jagg_autograd.tasks.shapes import ShapesTask
-from jagg_autograd.tasks.shapes_reward import UNKNOWN, Detection, detect_objects
+from jagg_autograd.tasks.shapes_reward import (
+    UNKNOWN,
+    Detection,
+    clause_results,
+    detect_objects,
+)
 from jagg_autograd.tasks.shapes_scenes import (
     CATEGORIES,
     COLORS,
+    LARGEST_SIDE,
     SHAPES,
-    SIZES,
     PromptSpec,
     all_prompts,
     eval_prompt_set,
     parse_prompt,
 )
 
-#: A rendered object's box is at most 2 * max(SIZES) + 1 px on a side; a generated one may
-#: carry a blurry one-pixel rim, so a component of more than MERGED_AREA pixels is not one
-#: object.
-LARGEST_SIDE = 2 * max(SIZES) + 1
+#: A rendered object's box is at most LARGEST_SIDE px on a side; a generated one may carry a
+#: blurry one-pixel rim, so a component of more than MERGED_AREA pixels is not one object.
 MERGED_AREA = (LARGEST_SIDE + 2) ** 2
 _REVERSED = {"left": "right", "right": "left", "above": "below", "below": "above"}
 #: The categories whose prompts bind words to one of two objects.
 BINDING_CATEGORIES = ("color_attr", "position")
+#: Why a two-object picture lacks its two named-shape detections (:func:`binding_chain`).
+MISS_REASONS = ("more", "merged", "unknown", "other_shape", "missing")
 CONFIGS = {
     "quick": {"per_category": 2, "noise_seeds": [12345]},
     "full": {"per_category": 64, "noise_seeds": [12345, 777]},
@@ -96,7 +102,9 @@ def pair_anatomy(detections: list[list[Detection]], prompts: list[str]) -> dict[
     Over the pictures with exactly two detections (``two_detected`` of all such pictures):
     ``asked_shapes``, the fraction of the detections whose shapes are the ones asked for
     (as a multiset: two circles for "a circle and a square" is one of two); ``drawn``, the
-    share of each shape among the detections (the prompts ask for each shape equally);
+    share of each shape among the detections, against ``asked``, its share among the asked
+    shapes of the same pictures (not a third each: the held-out split holds one meaning of
+    ``two_object``, "a circle and a square", so triangles are asked only by ``color_attr``);
     ``shape_sides`` / ``color_sides`` (the latter on ``color_attr``), the fraction whose
     left and right detection carry the first and second named shape / colour
     (``in_order``), the reverse (``swapped``), or neither (``other``).  A model that binds
@@ -115,6 +123,7 @@ def pair_anatomy(detections: list[list[Detection]], prompts: list[str]) -> dict[
             left, right = sorted(dets, key=lambda d: (d.cx, d.cy))
             pairs.append((spec, left, right))
     drawn = Counter(d.shape for _, left, right in pairs for d in (left, right))
+    asked_all = Counter(g.shape for spec, _, _ in pairs for g in spec.groups)
     hits = 0
     for spec, left, right in pairs:
         asked = Counter(g.shape for g in spec.groups)
@@ -133,11 +142,72 @@ def pair_anatomy(detections: list[list[Detection]], prompts: list[str]) -> dict[
         "two_detected": len(pairs) / max(total, 1),
         "asked_shapes": hits / (2 * n),
         "drawn": {k: drawn[k] / (2 * n) for k in (*SHAPES, UNKNOWN)},
+        "asked": {k: asked_all[k] / (2 * n) for k in SHAPES},
         "shape_sides": {k: shape_sides[k] / n for k in ("in_order", "swapped", "other")},
         "color_sides": {
             k: color_sides[k] / max(len(color_pairs), 1) for k in ("in_order", "swapped", "other")
         },
     }
+
+
+def binding_chain(detections: list[list[Detection]], prompts: list[str]) -> dict[str, Any]:
+    """Strict accuracy of the prompts that name two objects (``two_object``, ``position``,
+    ``color_attr``), factored into the three things such a picture must get right:
+
+    * ``found``: exactly two detections of the named shapes (objects of other shapes and
+      unknown ones cost nothing, as in the reward);
+    * ``shapes`` (given ``found``): they are the asked shapes, one of each -- every count
+      clause holds;
+    * ``bound`` (given ``shapes``): the rest holds -- the colours (``color_attr``) or the
+      relation (``position``); 1 for ``two_object``, which asks nothing more.
+
+    ``found * shapes * bound`` is the category's strict accuracy (``strict``) exactly, since
+    the count clauses holding implies ``found``.  Per category, with ``pictures``, and why
+    the rest is not ``found`` (``missed``, fractions of ``pictures`` that sum with ``found``
+    to 1; the first reason that applies): ``more`` than two named-shape detections; fewer,
+    with a ``merged`` component (objects drawn into one another, :data:`MERGED_AREA`); fewer,
+    with an ``unknown`` shape; fewer, with a detection of a shape the prompt does not name
+    (``other_shape``); fewer and nothing else drawn (``missing``).
+    """
+    tallies: dict[str, Counter] = {c: Counter() for c in ("two_object", "position", "color_attr")}
+    for dets, prompt in zip(detections, prompts, strict=True):
+        spec = parse_prompt(prompt)
+        if spec.category not in tallies:
+            continue
+        t = tallies[spec.category]
+        t["pictures"] += 1
+        named = {g.shape for g in spec.groups}
+        n_named = sum(d.shape in named for d in dets)
+        if n_named != 2:
+            t[_miss_reason(dets, named, n_named)] += 1
+            continue
+        t["found"] += 1
+        clauses = clause_results(spec, dets)
+        if not all(v for k, v in clauses.items() if k.startswith("count")):
+            continue
+        t["shapes"] += 1
+        t["bound"] += all(clauses.values())
+    out: dict[str, Any] = {}
+    for cat, t in tallies.items():
+        out[cat] = {
+            "pictures": t["pictures"],
+            "found": t["found"] / max(t["pictures"], 1),
+            "shapes": t["shapes"] / max(t["found"], 1),
+            "bound": t["bound"] / max(t["shapes"], 1),
+            "strict": t["bound"] / max(t["pictures"], 1),
+            "missed": {r: t[r] / max(t["pictures"], 1) for r in MISS_REASONS},
+        }
+    return out
+
+
+def _miss_reason(dets: list[Detection], named: set[str], n_named: int) -> str:
+    if n_named > 2:
+        return "more"
+    if _flags(dets)[1]:
+        return "merged"
+    if any(d.shape == UNKNOWN for d in dets):
+        return "unknown"
+    return "other_shape" if any(d.shape not in named for d in dets) else "missing"
 
 
 def swapped(prompt: str) -> str:
@@ -243,6 +313,7 @@ def evaluate_model(
         "weights_dir": str(weights_dir),
         "binding_probe": binding_probe(model),
         "pair_anatomy": pair_anatomy(dets, drawn_prompts),
+        "binding_chain": binding_chain(dets, drawn_prompts),
         "samples": len(drawn_prompts),
         "strict_accuracy": strict,
         "strict_se": math.sqrt(strict * (1 - strict) / len(drawn_prompts)),
@@ -264,6 +335,22 @@ def _parse_models(specs: list[str]) -> dict[str, Path]:
                 raise ValueError(f"--models {name}: {d / f} not found")
         out[name] = d
     return out
+
+
+def _category_rows(
+    res: dict[str, Any], key: str, *fields: tuple[str, str | Callable[[Any], str]]
+) -> list[str]:
+    """One markdown row per model and category of the per-category figures ``key``, each
+    ``(field, format spec or formatter)`` a cell."""
+
+    def cell(v: Any, fmt: str | Callable[[Any], str]) -> str:
+        return fmt(v) if callable(fmt) else format(v, fmt)
+
+    return [
+        f"| {name} | {cat} | " + " | ".join(cell(v[f], fmt) for f, fmt in fields) + " |"
+        for name, m in res["models"].items()
+        for cat, v in m[key].items()
+    ]
 
 
 def report(res: dict[str, Any]) -> str:
@@ -312,22 +399,22 @@ def report(res: dict[str, Any]) -> str:
         "| model | category | first noun | second noun | exchanged words |",
         "|---|---|---|---|---|",
     ]
-    for name, m in res["models"].items():
-        for cat, b in m["binding_probe"].items():
-            lines.append(
-                f"| {name} | {cat} | {b['first_noun']:.3f} | {b['second_noun']:.3f} | "
-                f"{b['swapped_words']:.3f} |"
-            )
+    lines += _category_rows(
+        res, "binding_probe", ("first_noun", ".3f"), ("second_noun", ".3f"),
+        ("swapped_words", ".3f"),
+    )  # fmt: skip
     lines += [
         "",
         "Two named objects without a relation (two_object, color_attr; `pair_anatomy`): "
         "pictures with exactly two detections, the fraction of their detections of an asked "
-        "shape, the share of each drawn shape, and which side the first named shape / colour "
-        "goes to (left-right in the prompt's order / swapped / neither):",
+        "shape, the share of each drawn shape against its share among the asked ones, and "
+        "which side the first named shape / colour goes to (left-right in the prompt's order "
+        "/ swapped / neither):",
         "",
         "| model | two detected | asked shapes | drawn " + " / ".join((*SHAPES, UNKNOWN))
+        + " | asked " + " / ".join(SHAPES)
         + " | shapes in order / swapped / other | colours in order / swapped / other |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, m in res["models"].items():
         a = m["pair_anatomy"]
@@ -338,8 +425,26 @@ def report(res: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {a['two_detected']:.2f} | {a['asked_shapes']:.2f} | "
             + " / ".join(f"{a['drawn'][k]:.2f}" for k in (*SHAPES, UNKNOWN))
+            + " | " + " / ".join(f"{a['asked'][k]:.2f}" for k in SHAPES)
             + f" | {sides[0]} | {sides[1]} |"
         )
+    lines += [
+        "",
+        "The two-object categories' strict accuracy factored (`binding_chain`): found (exactly "
+        "two detections of the named shapes) x shapes (they are the asked ones, given found) "
+        "x bound (colours / relation right, given the shapes) = strict; and why the other "
+        "pictures are not found (fractions of all pictures: more than two named-shape "
+        "detections / fewer with a merged component / with an unknown shape / with a shape "
+        "not named / nothing else drawn):",
+        "",
+        "| model | category | found | shapes | bound | strict | missed: more / merged / "
+        "unknown / other shape / missing |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += _category_rows(
+        res, "binding_chain", ("found", ".2f"), ("shapes", ".2f"), ("bound", ".2f"),
+        ("strict", ".3f"), ("missed", lambda d: " / ".join(f"{v:.2f}" for v in d.values())),
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

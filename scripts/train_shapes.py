@@ -29,7 +29,8 @@ caption's order (``--reading-order``: the colours went to their sides, 0.65 in o
 0.08 swapped, colour attribution stayed at 0.09), nor a deeper model (``--num-layers 6
 --text-layers 3``) trained from scratch with it for 9000 steps (67 min on 2 threads;
 strict 0.319, colours in order 0.94, colour attribution 0.11: the shapes do not follow the
-order and triangles are rarely drawn in two-object scenes).  The meta file's evaluations
+order, and the two asked shapes are drawn, one each, in about a fifth of two-object
+pictures).  The meta file's evaluations
 use 32 prompts per category (about +-0.065 per category); compare models with ``python -m
 benchmarks.shapes_base`` (768 samples, standard errors, blank / merged pictures).
 The paragraph below is about stage 1.

@@ -837,7 +837,10 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     import sys
 
     pytest.importorskip("accelerate")
-    exe = shutil.which("accelerate")
+    # The CLI beside this interpreter too: a venv's python run without activating it.
+    exe = shutil.which("accelerate") or shutil.which(
+        "accelerate", path=str(Path(sys.executable).parent)
+    )
     if exe is None:
         pytest.skip("the accelerate CLI is not on PATH")
     if torch.cuda.is_available():

@@ -4,9 +4,14 @@ command, pinned to the values the trainer gave before issue 19's restructuring.
 ``tests/data/refactor_pins.json`` was written by the code of commit befb292 (before the
 estimators / config / run-log split) with exactly these configs; every logged number of
 every step (rewards, loss, clip statistics, gradient norm, KL, the with-grad counts and
-paths, probe cosines) and every held-out evaluation must come out the same, to float
-round-off (1e-12 relative).  The RNG stream (prompts, rollout noise, the estimators' own
-draws) is part of what is pinned.  If a change is *meant* to change numbers, regenerate
+paths, probe cosines) and every held-out evaluation must come out the same: every count,
+path and other non-float exactly, every float to float32 round-off across CPUs
+(:data:`FLOAT_TOL` of ``max(1, |pinned|)``).  The runs are float32, and a CPU with other
+vector units sums in another order: on an AVX-512 machine (2026-12-05) the rollouts differ
+from the pins in the last bit of a reward and the scaled differences reach 3e-6 after a few
+optimizer steps, with every discrete value the same; a refactor that changes the math
+moves them by orders of magnitude more.  The RNG stream (prompts, rollout noise, the
+estimators' own draws) is part of what is pinned.  If a change is *meant* to change numbers, regenerate
 the file from the code before that change and say so in the commit.
 
 Meant changes since: ``adaptive`` was regenerated after issue 18 made the adaptive
@@ -25,6 +30,8 @@ import pytest
 
 from jagg_autograd.trainer import GRPOConfig, train
 
+#: Float32 round-off of a few training steps on another CPU, scaled by max(1, |pinned|).
+FLOAT_TOL = 1e-4
 PINS = json.loads((Path(__file__).parent / "data" / "refactor_pins.json").read_text())
 
 SMALL = dict(prompts_per_step=4, group_size=2, num_steps=6, window=3, steps=3,
@@ -57,7 +64,7 @@ def _same(got, want, where: str) -> None:
         if math.isnan(want):
             assert math.isnan(got), where
         else:
-            assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (where, got, want)
+            assert abs(got - want) <= FLOAT_TOL * max(1.0, abs(want)), (where, got, want)
     else:
         assert got == want, (where, got, want)
 

@@ -66,8 +66,93 @@ def test_pair_anatomy_on_known_pictures() -> None:
     assert a["drawn"] == pytest.approx(
         {"circle": 4 / 6, "square": 2 / 6, "triangle": 0.0, "unknown": 0.0}
     )
+    # Each pair's prompt asks for a circle and a square: half each, no triangle.
+    assert a["asked"] == pytest.approx({"circle": 0.5, "square": 0.5, "triangle": 0.0})
     assert a["shape_sides"] == pytest.approx({"in_order": 1 / 3, "swapped": 1 / 3, "other": 1 / 3})
     assert a["color_sides"] == pytest.approx({"in_order": 2 / 3, "swapped": 1 / 3, "other": 0.0})
+
+
+def test_binding_chain_on_known_pictures() -> None:
+    """Each link of the chain fails on the picture built to fail it, and the product of the
+    links is the strict accuracy that the reward's own strict_correct gives."""
+    from benchmarks.shapes_base import binding_chain
+    from jagg_autograd.tasks.shapes_reward import detect_objects, strict_correct
+
+    def dets(*objects: SceneObject) -> list:
+        return detect_objects(_picture(list(objects)))
+
+    red_circle_left = SceneObject("circle", "red", 7, 12, 5)
+    blue_square_right = SceneObject("square", "blue", 24, 12, 5)
+    good = dets(red_circle_left, blue_square_right)
+    extra_triangle = dets(
+        red_circle_left, blue_square_right, SceneObject("triangle", "green", 16, 26, 4)
+    )
+    two_circles = dets(red_circle_left, SceneObject("circle", "blue", 24, 12, 5))
+    one = dets(red_circle_left)
+    pos = "a photo of a circle left of a square"
+    pos_wrong = "a photo of a circle right of a square"
+    ca = "a photo of a red circle and a blue square"
+    ca_wrong = "a photo of a blue circle and a red square"
+    two = "a photo of a circle and a square"
+    pictures = [good, good, two_circles, one, good, good, extra_triangle, two_circles, good]
+    prompts = [pos, pos_wrong, pos, pos, ca, ca_wrong, two, two, "a photo of a red circle"]
+    ch = binding_chain(pictures, prompts)
+    assert set(ch) == {"two_object", "position", "color_attr"}
+    missed = {cat: c.pop("missed") for cat, c in ch.items()}
+    # position: 4 pictures, 3 with two named-shape detections, 2 of them the asked shapes,
+    # 1 of those in the asked relation.
+    assert ch["position"] == pytest.approx(
+        {"pictures": 4, "found": 3 / 4, "shapes": 2 / 3, "bound": 1 / 2, "strict": 1 / 4}
+    )
+    assert ch["color_attr"] == pytest.approx(
+        {"pictures": 2, "found": 1.0, "shapes": 1.0, "bound": 1 / 2, "strict": 1 / 2}
+    )
+    # An object of a shape the prompt does not name costs nothing, as in the reward.
+    assert ch["two_object"] == pytest.approx(
+        {"pictures": 2, "found": 1.0, "shapes": 1 / 2, "bound": 1.0, "strict": 1 / 2}
+    )
+    for cat, c in ch.items():
+        idx = [i for i, p in enumerate(prompts) if _category(p) == cat]
+        strict = sum(strict_correct(prompts[i], pictures[i]) for i in idx) / len(idx)
+        assert c["found"] * c["shapes"] * c["bound"] == pytest.approx(strict)
+        assert c["strict"] == pytest.approx(strict)
+        assert c["found"] + sum(missed[cat].values()) == pytest.approx(1.0)
+    assert missed["position"] == pytest.approx(
+        {"more": 0.0, "merged": 0.0, "unknown": 0.0, "other_shape": 0.0, "missing": 1 / 4}
+    )
+
+
+def test_binding_chain_miss_reasons() -> None:
+    """A picture without its two named-shape detections is put down to the first reason that
+    applies: more than two, a merged component, an unknown shape, a shape not named, none."""
+    from benchmarks.shapes_base import MERGED_AREA, binding_chain
+    from jagg_autograd.tasks.shapes_reward import UNKNOWN, Detection
+
+    def det(shape: str, area: int = 81) -> Detection:
+        return Detection(shape, "red", 10.0, 10.0, area, 0.9)
+
+    big = MERGED_AREA + 1
+    pictures = [
+        [det("circle"), det("square"), det("square")],  # more (a merged one does not matter)
+        [det("circle", big), det(UNKNOWN)],  # merged, before unknown
+        [det("circle"), det(UNKNOWN), det("triangle")],  # unknown, before other shape
+        [det("square"), det("triangle")],  # other shape
+        [det("circle")],  # missing
+        [],  # missing
+        [det("circle"), det("square", big)],  # found: two named, merged or not
+    ]
+    ch = binding_chain(pictures, ["a photo of a circle and a square"] * len(pictures))
+    n = len(pictures)
+    assert ch["two_object"]["found"] == pytest.approx(1 / n)
+    assert ch["two_object"]["missed"] == pytest.approx(
+        {"more": 1 / n, "merged": 1 / n, "unknown": 1 / n, "other_shape": 1 / n, "missing": 2 / n}
+    )
+
+
+def _category(prompt: str) -> str:
+    from jagg_autograd.tasks.shapes_scenes import parse_prompt
+
+    return parse_prompt(prompt).category
 
 
 def test_parse_models_names_the_bad_entry(tmp_path) -> None:
@@ -108,6 +193,13 @@ def test_shapes_base_quick(run_benchmark) -> None:
     md = (out / "SHAPES_BASE.md").read_text()
     assert "| shipped |" in md and "| shipped | color_attr |" in md
     assert "asked shapes" in md
+    chain = m["binding_chain"]
+    for cat in ("two_object", "position", "color_attr"):
+        c = chain[cat]
+        assert c["found"] * c["shapes"] * c["bound"] == pytest.approx(
+            m["per_category"][cat]["strict_accuracy"]
+        )
+    assert "| shipped | position |" in md
 
 
 def test_swapped_prompts_bind_the_other_way() -> None:

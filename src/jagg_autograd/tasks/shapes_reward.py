@@ -62,7 +62,7 @@ import torch
 from jagg_autograd.tasks.shapes_scenes import (
     COLORS,
     IMAGE_SIZE,
-    SIZES,
+    LARGEST_SIDE,
     PromptSpec,
     parse_prompt,
     relation_holds,
@@ -88,7 +88,7 @@ MIN_IOU = 0.5
 #: Label of an object whose shape or colour the checker cannot name.
 UNKNOWN = "unknown"
 # Largest object box (13 px) plus slack for a generator's blurry edges.
-_MAX_SIDE = 2 * max(SIZES) + 1 + 4
+_MAX_SIDE = LARGEST_SIDE + 4
 _FG_THRESHOLD = 0.5
 _COLOR_NAMES = tuple(COLORS)
 _PALETTE = np.array([COLORS[c] for c in _COLOR_NAMES], dtype=np.float64) / 255.0  # (6, 3)

@@ -43,6 +43,7 @@ __all__ = [
     "CATEGORIES",
     "COLORS",
     "IMAGE_SIZE",
+    "LARGEST_SIDE",
     "MAX_OBJECTS",
     "NUMBERS",
     "RELATIONS",
@@ -79,6 +80,8 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 #: Object half-extents in pixels (box sides 9, 11, 13).
 SIZES: tuple[int, ...] = (4, 5, 6)
+#: The box side of the largest rendered object, in pixels.
+LARGEST_SIDE = 2 * max(SIZES) + 1
 NUMBERS: dict[int, str] = {1: "one", 2: "two", 3: "three", 4: "four"}
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 CATEGORIES: tuple[str, ...] = (
