@@ -45,8 +45,9 @@ def _launch(out: Path, nproc: int, extra: list[str]) -> None:
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if res.returncode != 0 and _teardown_abort(res.stderr, out):
         # gloo's teardown at exit sometimes aborts a rank after the run has finished and
-        # written everything (about 1 CI run in 5; the trainer already leaves the group
-        # together).  Not a result of the run: launch it once more, from scratch.
+        # written everything (about 1 CI run in 5, half the runs on an AVX-512 machine,
+        # before train() collected the group's reference cycles on leaving; kept as a
+        # guard).  Not a result of the run: launch it once more, from scratch.
         shutil.rmtree(out)
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
