@@ -11,8 +11,8 @@ vector units sums in another order: on an AVX-512 machine (2026-12-05) the rollo
 from the pins in the last bit of a reward and the scaled differences reach 3e-6 after a few
 optimizer steps, with every discrete value the same; a refactor that changes the math
 moves them by orders of magnitude more.  The RNG stream (prompts, rollout noise, the
-estimators' own draws) is part of what is pinned.  If a change is *meant* to change numbers, regenerate
-the file from the code before that change and say so in the commit.
+estimators' own draws) is part of what is pinned.  If a change is *meant* to change
+numbers, regenerate the file from the code before that change and say so in the commit.
 
 Meant changes since: ``adaptive`` was regenerated after issue 18 made the adaptive
 planner group-fair (every sample the same anchor count instead of the greedy split by
