@@ -71,9 +71,11 @@ _REVERSED = {"left": "right", "right": "left", "above": "below", "below": "above
 BINDING_CATEGORIES = ("color_attr", "position")
 #: Why a two-object picture lacks its two named-shape detections (:func:`binding_chain`).
 MISS_REASONS = ("more", "merged", "unknown", "other_shape", "missing")
+#: The text's two paths into the MMDiT (:func:`pooled_probe`).
+TEXT_PATHS = ("tokens", "pooled", "other")
 CONFIGS = {
-    "quick": {"per_category": 2, "noise_seeds": [12345]},
-    "full": {"per_category": 64, "noise_seeds": [12345, 777]},
+    "quick": {"per_category": 2, "noise_seeds": [12345], "probe_per_prompt": 1},
+    "full": {"per_category": 64, "noise_seeds": [12345, 777], "probe_per_prompt": 8},
 }
 
 
@@ -261,6 +263,63 @@ def binding_probe(model: ShapesModel) -> dict[str, dict[str, float]]:
     return out
 
 
+def _probe_twin(prompt: str, attr: str) -> str:
+    """The single-object colour prompt with its shape (``attr="shape"``) or its colour
+    (``"color"``) replaced by the next one of :data:`SHAPES` / :data:`COLORS`."""
+    *head, color, shape = prompt.split()
+    if attr == "shape":
+        shape = SHAPES[(SHAPES.index(shape) + 1) % len(SHAPES)]
+    else:
+        names = list(COLORS)
+        color = names[(names.index(color) + 1) % len(names)]
+    return " ".join([*head, color, shape])
+
+
+@torch.no_grad()
+def pooled_probe(
+    task: ShapesTask, per_prompt: int, noise_seed: int, noise_level: float, steps: int
+) -> dict[str, dict[str, float]]:
+    """Which of the text's two paths into the MMDiT sets an object's shape and its colour?
+
+    SD3's MMDiT reads a prompt twice: its tokens through joint attention (each image token
+    attends to the words it needs) and a pooled vector through adaLN (one modulation for
+    every image token alike).  For every "colors" prompt (one coloured object), the
+    sampler runs with the prompt's tokens but the pooled vector of its twin with the other
+    shape (or colour; :func:`_probe_twin`), ``per_prompt`` pictures each on fixed noise.
+    Among the pictures with exactly one detection: the share whose shape (colour) is the
+    tokens' / the pooled vector's / neither (``other``: unknown shape), and ``pictures``,
+    how many there were.  What the pooled vector sets, it sets for every object of a
+    picture at once: two objects cannot get two different shapes from it.
+    """
+    prompts = [p for p in all_prompts("colors") for _ in range(per_prompt)]
+    gen = torch.Generator().manual_seed(noise_seed)
+    noise = torch.randn((len(prompts), *task.latent_shape), generator=gen)
+    out: dict[str, dict[str, float]] = {}
+    for attr in ("shape", "color"):
+        twins = [_probe_twin(p, attr) for p in prompts]
+        cond = dict(task.cond(prompts))
+        cond["pooled_projections"] = task.cond(twins)["pooled_projections"]
+        x = sample_shapes(
+            task.velocity_model(),
+            cond,
+            steps=steps,
+            noise_level=noise_level,
+            generator=torch.Generator().manual_seed(noise_seed + 1),
+            noise=noise,
+        )
+        counts = Counter()
+        for im, p, q in zip(x, prompts, twins, strict=True):
+            dets = detect_objects(im)
+            if len(dets) != 1:
+                continue
+            got = getattr(dets[0], attr)
+            want_tok, want_pool = (getattr(parse_prompt(r).groups[0], attr) for r in (p, q))
+            counts["tokens" if got == want_tok else "pooled" if got == want_pool else "other"] += 1
+        n = sum(counts.values())
+        out[attr] = {k: counts[k] / n if n else 0.0 for k in TEXT_PATHS} | {"pictures": n}
+    return out
+
+
 def evaluate_model(
     weights_dir: Path,
     prompts: list[str],
@@ -268,8 +327,10 @@ def evaluate_model(
     guidance_scale: float,
     noise_level: float,
     steps: int,
+    probe_per_prompt: int,
 ) -> dict[str, Any]:
-    """Per-category figures of one model over every noise draw (samples pooled)."""
+    """Per-category figures of one model over every noise draw (samples pooled), and the
+    probes of how its text reaches the picture."""
     model = load_shapes_model(
         weights=weights_dir / "shapes_model.safetensors", meta=weights_dir / "shapes_meta.json"
     )
@@ -312,6 +373,7 @@ def evaluate_model(
     return {
         "weights_dir": str(weights_dir),
         "binding_probe": binding_probe(model),
+        "pooled_probe": pooled_probe(task, probe_per_prompt, noise_seeds[0], noise_level, steps),
         "pair_anatomy": pair_anatomy(dets, drawn_prompts),
         "binding_chain": binding_chain(dets, drawn_prompts),
         "samples": len(drawn_prompts),
@@ -405,6 +467,21 @@ def report(res: dict[str, Any]) -> str:
     )  # fmt: skip
     lines += [
         "",
+        "Which path of the text sets a single object's shape and colour (`pooled_probe`): "
+        "sampled with a \"colors\" prompt's tokens but the pooled vector (adaLN, shared "
+        "by every image token) of its twin with the other shape / colour; among pictures "
+        "with one detection, the share that follows the tokens / the pooled vector / "
+        "neither:",
+        "",
+        "| model | attribute | tokens | pooled | other | pictures |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += _category_rows(
+        res, "pooled_probe", ("tokens", ".2f"), ("pooled", ".2f"), ("other", ".2f"),
+        ("pictures", "d"),
+    )  # fmt: skip
+    lines += [
+        "",
         "Two named objects without a relation (two_object, color_attr; `pair_anatomy`): "
         "pictures with exactly two detections, the fraction of their detections of an asked "
         "shape, the share of each drawn shape against its share among the asked ones, and "
@@ -489,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {
             name: evaluate_model(
                 d, prompts, cfg["noise_seeds"], cfg["guidance_scale"], cfg["noise_level"],
-                cfg["steps"],
+                cfg["steps"], cfg["probe_per_prompt"],
             )
             for name, d in models.items()
         },

@@ -185,6 +185,12 @@ def test_shapes_base_quick(run_benchmark) -> None:
     probe = m["binding_probe"]
     assert set(probe) == {"color_attr", "position"}
     assert all(0 <= v["first_noun"] < v["swapped_words"] for v in probe.values())
+    paths = m["pooled_probe"]
+    assert set(paths) == {"shape", "color"}
+    for v in paths.values():
+        assert 0 <= v["pictures"] <= 18  # one picture per "colors" prompt in the quick run
+        if v["pictures"]:
+            assert sum(v[k] for k in ("tokens", "pooled", "other")) == pytest.approx(1.0)
     pa = m["pair_anatomy"]
     assert 0 <= pa["two_detected"] <= 1 and 0 <= pa["asked_shapes"] <= 1
     if pa["two_detected"]:
@@ -192,7 +198,7 @@ def test_shapes_base_quick(run_benchmark) -> None:
         assert sum(pa["shape_sides"].values()) == pytest.approx(1.0)
     md = (out / "SHAPES_BASE.md").read_text()
     assert "| shipped |" in md and "| shipped | color_attr |" in md
-    assert "asked shapes" in md
+    assert "asked shapes" in md and "| shipped | shape |" in md
     chain = m["binding_chain"]
     for cat in ("two_object", "position", "color_attr"):
         c = chain[cat]
@@ -235,3 +241,41 @@ def test_binding_probe_is_zero_for_a_per_token_encoder() -> None:
         assert alone[cat]["first_noun"] == 0.0 and alone[cat]["second_noun"] == 0.0
         assert alone[cat]["swapped_words"] > 0.1
         assert mixed[cat]["first_noun"] > 1e-4 and mixed[cat]["second_noun"] > 1e-4
+
+
+class _TwoPathTask:
+    """A stand-in task whose sampler draws, at the picture's centre, the shape its pooled
+    vector names in the colour its tokens name (the ODE's velocity ``(z - x0) / t`` lands
+    on that render): :func:`pooled_probe` must find shape <- pooled, colour <- tokens."""
+
+    latent_shape = (3, 32, 32)
+
+    def cond(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        from jagg_autograd.tasks.shapes_scenes import COLORS, SHAPES, parse_prompt
+
+        g = [parse_prompt(p).groups[0] for p in prompts]
+        key = torch.tensor([[SHAPES.index(x.shape), list(COLORS).index(x.color)] for x in g])
+        return {"encoder_hidden_states": key.float(), "pooled_projections": key.float()}
+
+    def velocity_model(self):
+        from jagg_autograd.tasks.shapes_scenes import COLORS, SHAPES
+
+        def velocity(z, t, encoder_hidden_states, pooled_projections):
+            objs = [
+                [SceneObject(SHAPES[int(p[0])], list(COLORS)[int(e[1])], 16, 16, 6)]
+                for e, p in zip(encoder_hidden_states, pooled_projections, strict=True)
+            ]
+            x0 = torch.stack([_picture(o) for o in objs])
+            return (z - x0) / t.view(-1, 1, 1, 1)
+
+        return velocity
+
+
+def test_pooled_probe_follows_each_path() -> None:
+    from benchmarks.shapes_base import _probe_twin, pooled_probe
+
+    assert _probe_twin("a photo of a red triangle", "shape") == "a photo of a red circle"
+    assert _probe_twin("a photo of a cyan square", "color") == "a photo of a red square"
+    probe = pooled_probe(_TwoPathTask(), 1, 0, noise_level=0.0, steps=2)
+    assert probe["shape"] == {"tokens": 0.0, "pooled": 1.0, "other": 0.0, "pictures": 18}
+    assert probe["color"] == {"tokens": 1.0, "pooled": 0.0, "other": 0.0, "pictures": 18}

@@ -272,3 +272,50 @@ def test_training_script_options_change_the_run_and_default_reproduces():
     from jagg_autograd.tasks.shapes_scenes import parse_prompt
 
     assert {parse_prompt(c).category for c in caps} == {"position"}
+
+
+def test_pooled_text_off_feeds_zeros_and_loads_the_same_checkpoints():
+    """``pooled_text=False``: the pooled projection is zero for every prompt (so the velocity
+    cannot depend on the pooled layer's weights), the token embeddings are unchanged, and
+    the two configurations share one state-dict layout (a pooled model's weights load)."""
+    torch.manual_seed(0)
+    on = ShapesModel(ShapesModelConfig(num_layers=1, text_layers=1)).eval()
+    off = ShapesModel(ShapesModelConfig(num_layers=1, text_layers=1, pooled_text=False)).eval()
+    off.load_state_dict(on.state_dict(), strict=True)
+    prompts = ["a photo of a red circle", "a photo of a blue square", ""]
+    ehs_on, pooled_on = on.encode(prompts)
+    ehs_off, pooled_off = off.encode(prompts)
+    torch.testing.assert_close(ehs_off, ehs_on, rtol=0, atol=0)
+    assert pooled_off.shape == pooled_on.shape and (pooled_off == 0).all()
+    assert (pooled_on[0] != pooled_on[1]).any()
+    z = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    t = torch.full((3,), 0.6)
+    ids = off.tokenizer(prompts)
+    with torch.no_grad():
+        v = off(z, t, ids)
+        torch.nn.init.normal_(off.text_encoder.pooled.weight)
+        assert torch.equal(off(z, t, ids), v)
+        assert not torch.equal(on(z, t, ids), v)  # with pooled text the output differs
+    assert ShapesModelConfig.from_dict(off.config.to_dict()) == off.config
+    # Meta files written before the option existed load as pooled models.
+    legacy = {k: v for k, v in on.config.to_dict().items() if k != "pooled_text"}
+    assert ShapesModelConfig.from_dict(legacy).pooled_text is True
+    with pytest.raises(TypeError, match="pooled_text must be a bool"):
+        ShapesModelConfig(pooled_text=1)
+
+
+def test_training_script_no_pooled_text():
+    """--no-pooled-text trains a model whose config says so (and whose pooled layer, unused,
+    keeps its initial weights)."""
+    mod = _train_script()
+    settings = {**mod.DEFAULTS, "steps": 2, "batch": 4, "warmup": 1, "num_layers": 1}
+    torch.set_num_threads(1)
+    model, info = mod.train({**settings, "pooled_text": False}, log_every=10**9)
+    assert info["config"]["pooled_text"] is False and not model.config.pooled_text
+    torch.manual_seed(settings["seed"])  # the script's initialisation
+    init = ShapesModel(ShapesModelConfig(num_layers=1, pooled_text=False)).state_dict()
+    sd = model.state_dict()
+    assert torch.equal(sd["text_encoder.pooled.weight"], init["text_encoder.pooled.weight"])
+    assert not torch.equal(
+        sd["text_encoder.token_embed.weight"], init["text_encoder.token_embed.weight"]
+    )

@@ -55,6 +55,12 @@ class ShapesModelConfig:
 
     ``inner_dim = num_attention_heads * attention_head_dim`` is the MMDiT's token width;
     ``text_dim`` is the text encoder's width (= the MMDiT's ``joint_attention_dim``).
+
+    ``pooled_text``: whether the pooled projection carries the prompt (SD3's CLIP-pooled
+    vector). It modulates every image token alike (adaLN), so what it carries cannot
+    differ between two objects of one picture: on the shipped model it decides the shape
+    (``benchmarks.shapes_base``'s pooled probe) and two named shapes come out at chance.
+    ``False`` feeds zeros, so the prompt reaches the picture only through joint attention.
     """
 
     in_channels: int = 3
@@ -69,11 +75,15 @@ class ShapesModelConfig:
     text_heads: int = 4
     vocab_size: int = 26
     max_length: int = 11
+    pooled_text: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if f.name == "pooled_text":
+                if not isinstance(value, bool):
+                    raise TypeError(f"ShapesModelConfig.pooled_text must be a bool, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
                     f"ShapesModelConfig.{f.name} must be a positive int, got {value!r}"
                 )
@@ -92,7 +102,7 @@ class ShapesModelConfig:
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool]:
         return asdict(self)
 
     @classmethod
@@ -158,7 +168,11 @@ class ShapesTextEncoder(nn.Module):
         for blk in self.blocks:
             x = blk(x, keep)
         x = self.norm(x)
-        return x * keep[..., None].to(x.dtype), self.pooled(x[:, 0])
+        tokens = x * keep[..., None].to(x.dtype)
+        if not c.pooled_text:
+            # The layer stays (checkpoints load either way); its output is not used.
+            return tokens, x.new_zeros(x.shape[0], c.pooled_projection_dim)
+        return tokens, self.pooled(x[:, 0])
 
 
 class ShapesModel(nn.Module):
