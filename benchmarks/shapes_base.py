@@ -294,11 +294,11 @@ def pooled_probe(
     prompts = [p for p in all_prompts("colors") for _ in range(per_prompt)]
     gen = torch.Generator().manual_seed(noise_seed)
     noise = torch.randn((len(prompts), *task.latent_shape), generator=gen)
+    own = task.cond(prompts)
     out: dict[str, dict[str, float]] = {}
     for attr in ("shape", "color"):
         twins = [_probe_twin(p, attr) for p in prompts]
-        cond = dict(task.cond(prompts))
-        cond["pooled_projections"] = task.cond(twins)["pooled_projections"]
+        cond = {**own, "pooled_projections": task.cond(twins)["pooled_projections"]}
         x = sample_shapes(
             task.velocity_model(),
             cond,
