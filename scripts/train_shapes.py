@@ -1,44 +1,48 @@
 #!/usr/bin/env python
 """Reproduce the shipped shapes text-to-image model (text encoder + SD3 MMDiT) and its meta file.
 
-The shipped model is made in two stages (about 75 min on 2 cores in all):
+The shipped model (since 2026-12-06: 6 MMDiT layers, a 3-layer text encoder, no pooled
+text vector, 3.6 M parameters, 14.6 MB) is made in two stages, 88 min on 2 cores in all:
 
-    python scripts/train_shapes.py --threads 2 --out-dir /tmp/shapes_stage1
-    python scripts/train_shapes.py --threads 2 \
+    python scripts/train_shapes.py --threads 2 --num-layers 6 --text-layers 3 \
+        --steps 9000 --category-weights 1 1.5 1 1 2 2 --uniform-t-frac 0.3 \
+        --reading-order --no-pooled-text --out-dir /tmp/shapes_stage1
+    python scripts/train_shapes.py --threads 2 --num-layers 6 --text-layers 3 \
+        --uniform-t-frac 0.3 --reading-order --no-pooled-text \
         --init-weights /tmp/shapes_stage1/shapes_model.safetensors \
-        --steps 6000 --lr 5e-4 --warmup 100 --category-weights 1 1.5 1 1 2 2 \
-        --eval-every 1500 --progress-eval 16 2.0 0.7
+        --steps 1400 --lr 3e-4 --warmup 100 --category-weights 1 1.5 1 1 3 2 --eval-every 0
         # --out-dir defaults to src/jagg_autograd/assets: writes shapes_* there
 
     python scripts/train_shapes.py --out-dir /tmp/shapes --steps 300   # a quick check
 
-Stage 2 continues stage 1 at a third of its learning rate with two objects, position and
-colour attribution drawn 1.5x / 2x / 2x as often; on this machine stage 1's 8000 steps take
-about 39 min and stage 2 33 min with its evaluations.  At the trainer's sampler (CFG 2, SDE
-eta 0.7, 192 held-out prompts) stage 2 moved the mean reward 0.331 -> 0.421 and the strict
-accuracy 0.208 -> 0.307 (position 0.03 -> 0.16, colour attribution 0.00 -> 0.09, two
-objects 0.09 -> 0.19, colours 0.56 -> 0.78); its meta file keeps stage 1's settings and
-figures under ``init``.  A third stage (3000 more steps at lr 3e-4, position and colour
-attribution drawn 3x / 4x) made two objects and position worse at the same sampler (strict
-0.19 -> 0.09, 0.16 -> 0.03) and was not kept (benchmarks/results/shapes/SHAPES.md); nor
-were two drawing 30 % / 70 % of each batch's noise levels uniformly (``--uniform-t-frac``:
-strict +0.031 / +0.017, position and colour attribution still <= 0.11), nor the first with
-the text encoder at 5x / 20x the learning rate (``--text-lr-mult``: colour attribution 0.07
-/ 0.06), nor one whose two-object scenes put the named objects left to right in the
-caption's order (``--reading-order``: the colours went to their sides, 0.65 in order vs
-0.08 swapped, colour attribution stayed at 0.09), nor a deeper model (``--num-layers 6
---text-layers 3``) trained from scratch with it for 9000 steps (67 min on 2 threads;
-strict 0.319, colours in order 0.94, colour attribution 0.11: the shapes do not follow the
-order, and the two asked shapes are drawn, one each, in about a fifth of two-object
-pictures).  The reason (2026-12-06, ``benchmarks.shapes_base``'s pooled probe): the
-shipped model takes an object's shape from the pooled text vector, which modulates every
-image token alike (adaLN), so two objects cannot get two shapes from it.
-``--no-pooled-text`` feeds a zero pooled vector; the 6 + 3-layer reading-order recipe with
-it (9000 steps, 75 min on 2 threads) reaches colour attribution 0.22 (0.125 with the
-pooled vector) and two objects 0.25, with position 0.09 and single objects 0.34 (0.48);
-not shipped yet (the GRPO figures would have to be measured again).  The meta file's evaluations
-use 32 prompts per category (about +-0.065 per category); compare models with ``python -m
-benchmarks.shapes_base`` (768 samples, standard errors, blank / merged pictures).
+Stage 1 (4491 s with its evaluations) trains from scratch with two objects, position and
+colour attribution drawn 1.5x / 2x / 2x as often, 30 % of each batch's noise levels
+uniform, two-object scenes laid out left to right in the caption's order, and a zero
+pooled vector; stage 2 (770 s) continues it at a fifth of the learning rate with position
+drawn 3x.  At the trainer's sampler (``python -m benchmarks.shapes_base``: CFG 2, SDE eta
+0.7, 768 held-out samples) stage 2 moved the strict accuracy 0.292 -> 0.366 (single object
+0.34 -> 0.41, two objects 0.25 -> 0.33, counting 0.25 -> 0.32, colours 0.61 -> 0.71,
+position 0.09 -> 0.08, colour attribution 0.22 -> 0.34); the model it replaced (4 layers
+with the pooled vector, below) is at 0.275 (position 0.06, colour attribution 0.08).  The
+meta file keeps stage 1's settings under ``init``.
+
+Why no pooled vector (``benchmarks.shapes_base``'s pooled probe,
+benchmarks/results/shapes/SHAPES.md): SD3's MMDiT also reads a pooled text vector through
+adaLN, which modulates every image token alike; a model trained with it takes an object's
+shape from that vector (75 % of probe pictures, 8 % from the tokens), so two objects
+cannot get two shapes.  With ``--no-pooled-text`` the prompt reaches the picture through
+joint attention only (shape from the tokens 0.63).
+
+The earlier model (the defaults below plus a stage 2 of 6000 steps at lr 5e-4 with the
+category weights 1 1.5 1 1 2 2: strict 0.275 at the trainer's sampler) and the variants of
+it that were not kept: a third stage with position and colour attribution drawn 3x / 4x
+(strict position 0.16 -> 0.03 on 192 prompts), 30 % / 70 % uniform noise levels
+(``--uniform-t-frac``: strict +0.031 / +0.017), the text encoder at 5x / 20x the learning
+rate (``--text-lr-mult``: colour attribution 0.07 / 0.06), and ``--reading-order`` with
+the pooled vector (colours to their sides, shapes not: colour attribution 0.09-0.13).
+The meta file's evaluations use 32 prompts per category (about +-0.065 per category);
+compare models with ``python -m benchmarks.shapes_base`` (768 samples, standard errors,
+blank / merged pictures).
 The paragraph below is about stage 1.
 
 Rectified-flow pre-training of :class:`jagg_autograd.models.shapes.ShapesModel` on clean
@@ -50,12 +54,13 @@ scene of it.  The caption is replaced by ``""`` with probability ``caption_dropo
 
 Everything is seeded and runs on ``--threads`` torch threads (default 1: bit-reproducible
 on one machine and torch build, and polite on a shared CPU); nothing is downloaded.  The
-shipped weights were made with ``--threads 2`` on an otherwise idle 2-core CPU: 8000 steps
-in 1897 s of training, 1947 s with the evaluations (0.2 s per step alone; while another
+shipped weights were made with ``--threads 2`` on an otherwise idle 2-core CPU (0.49 s per
+step for the 6-layer model); the earlier model's default-size stage 1 took 8000 steps in
+1897 s of training, 1947 s with the evaluations (0.2 s per step alone; while another
 job shared the cores for its first 800 steps two threads slowed to 1-2 s per step, so
 give it the machine).  The defaults (4 layers of width 128, 2.4 M parameters, 9.6 MB)
 replaced a width-64 model trained 5000 steps, whose pictures were shapeless blobs
-(held-out ODE score 0.214 at CFG 2 vs 0.383 now, both under the task's earlier
+(held-out ODE score 0.214 at CFG 2 vs 0.383 for them, both under the task's earlier
 all-or-below-half reward) and on which no GRPO setting we tried raised the reward.  At
 the end the EMA model is evaluated on the held-out evaluation set with fixed noise
 (:func:`jagg_autograd.tasks.shapes_scenes.eval_prompt_set`), per GenEval category (mean

@@ -58,9 +58,10 @@ class ShapesModelConfig:
 
     ``pooled_text``: whether the pooled projection carries the prompt (SD3's CLIP-pooled
     vector). It modulates every image token alike (adaLN), so what it carries cannot
-    differ between two objects of one picture: on the shipped model it decides the shape
-    (``benchmarks.shapes_base``'s pooled probe) and two named shapes come out at chance.
-    ``False`` feeds zeros, so the prompt reaches the picture only through joint attention.
+    differ between two objects of one picture: on the model shipped until 2026-12-06 it
+    decided the shape (``benchmarks.shapes_base``'s pooled probe) and two named shapes came
+    out at chance.  ``False`` (the shipped model's) feeds zeros, so the prompt reaches the
+    picture only through joint attention.
     """
 
     in_channels: int = 3

@@ -41,10 +41,10 @@ from jagg_autograd.tasks.shapes_scenes import (
 __all__ = ["DEFAULT_GUIDANCE_SCALE", "ShapesTask", "grid_caption", "save_grid"]
 
 #: CFG weight of the task's velocity model: shapes_meta.json's held-out evaluations of the
-#: shipped model (10 steps, 192 samples; mean partial-credit reward / strict accuracy) peak
-#: at 2 with the ODE sampler (0.427 / 0.292; 1: 0.322 / 0.203, 3: 0.411 / 0.292, 4.5:
-#: 0.394 / 0.266); with the trainer's SDE (eta 0.7) 1: 0.292, 2: 0.331, 3: 0.349, 4.5:
-#: 0.311.  (The earlier all-clauses-or-below-half reward also peaked at 2 with the ODE.)
+#: shipped model (10 steps, 192 samples, +-0.035; mean partial-credit reward / strict
+#: accuracy): with the trainer's SDE (eta 0.7) it peaks at 2 (0.483 / 0.354; 1: 0.368 /
+#: 0.229, 3: 0.453 / 0.333, 4.5: 0.431 / 0.307); with the ODE 2 and 3 tie (0.507 / 0.385,
+#: 0.514 / 0.401; 1: 0.444, 4.5: 0.488).  The model shipped before also peaked at 2.
 DEFAULT_GUIDANCE_SCALE = 2.0
 
 
@@ -66,16 +66,17 @@ class ShapesTask(GRPOTask):
     name = "shapes"
     latent_shape = (3, IMAGE_SIZE, IMAGE_SIZE)
     #: ``jagg-demo --task shapes`` settings (GRPOConfig fields; flags override them), from
-    #: issue 21's trials on the stage-2 model (benchmarks/results/shapes/SHAPES.md; 8
-    #: prompts x 4, seed 0, 96 held-out prompts): training all 10 steps at lr 3e-5 peaked at
-    #: +0.07 by step 50 and fell back (+0.015 at 150, a 4x4-patch texture); the first 5 steps
-    #: at lr 6e-5 reached +0.096 at step 75 and fell to +0.018; the same run evaluated at
-    #: Flow-GRPO's EMA (0.9 every 8 steps) ended at +0.084 (seed 1: +0.074).  Window 5 over
-    #: the 5 trained steps keeps the default's anchor density (2 of 5).  The ODE evaluation
-    #: is GenEval's protocol; 9.2 min on one thread (a third of it evaluations: with the EMA
-    #: each scores the averaged and the raw weights).
+    #: issue 21's trials (benchmarks/results/shapes/SHAPES.md; 8 prompts x 4, seed 0): on
+    #: the model shipped before, training all 10 steps peaked early and fell back (a 4x4-patch
+    #: texture), the first 5 steps rose faster and Flow-GRPO's EMA (0.9 every 8 steps) kept
+    #: the gain at the end.  On the shipped model (no pooled text vector, 2026-12-06) lr 6e-5
+    #: and 4.5e-5 collapse the raw weights by step 150 (held-out 0.302 / 0.344 from 0.477);
+    #: lr 3e-5 ends at EMA +0.058 / strict +0.057.  Window 5 over the 5 trained steps keeps
+    #: the default's anchor density (2 of 5).  The ODE evaluation is GenEval's protocol; 9.0
+    #: min on 2 threads (a third of it evaluations: with the EMA each scores the averaged and
+    #: the raw weights).
     demo_defaults: ClassVar[dict[str, Any]] = {
-        "lr": 6e-5,
+        "lr": 3e-5,
         "steps": 150,
         "timestep_fraction": 0.5,
         "window": 5,
