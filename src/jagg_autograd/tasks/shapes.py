@@ -71,10 +71,10 @@ class ShapesTask(GRPOTask):
     #: texture), the first 5 steps rose faster and Flow-GRPO's EMA (0.9 every 8 steps) kept
     #: the gain at the end.  On the shipped model (no pooled text vector, 2026-12-06) lr 6e-5
     #: and 4.5e-5 collapse the raw weights by step 150 (held-out 0.302 / 0.344 from 0.477);
-    #: lr 3e-5 ends at EMA +0.058 / strict +0.057.  Window 5 over the 5 trained steps keeps
-    #: the default's anchor density (2 of 5).  The ODE evaluation is GenEval's protocol; 9.0
-    #: min on 2 threads (a third of it evaluations: with the EMA each scores the averaged and
-    #: the raw weights).
+    #: lr 3e-5 ends at EMA +0.058 / strict +0.057 (seeds 0-2: +0.041 / +0.045).  Window 5
+    #: over the 5 trained steps keeps the default's anchor density (2 of 5).  The ODE
+    #: evaluation is GenEval's protocol; 9.0 min on 2 threads (a third of it evaluations:
+    #: with the EMA each scores the averaged and the raw weights).
     demo_defaults: ClassVar[dict[str, Any]] = {
         "lr": 3e-5,
         "steps": 150,
