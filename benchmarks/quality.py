@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine_info
+from jagg_autograd.tasks.shapes import ShapesTask
 
 # Every JAGG-related setting spelt out (the trainer's defaults are set FROM this study).
 _PLAIN = {"window": 4, "shared_anchors": True, "reuse_values": False, "deferred": False,
@@ -147,20 +148,23 @@ TASKS: dict[str, dict[str, Any]] = {
     },
     "shapes": {
         "seeds": [0, 1, 2, 3],
-        # The demo's settings (issue 21's trials, benchmarks/results/shapes/SHAPES.md): the
-        # first half of the sampler steps trained, lr 3e-5 (6e-5 on the model shipped before
-        # 2026-12-06), evaluations of the EMA.
-        "steps": 150,
-        "eval_every": 50,
+        # The demo's settings, read from the task so the two cannot drift apart (issue 21's
+        # trials, benchmarks/results/shapes/SHAPES.md): the first half of the sampler steps
+        # trained, its lr, window 5 over the 5 trained steps (the default's anchor density,
+        # 2 of 5, as 4 of 10 with window 4), evaluations of the EMA.
+        "steps": ShapesTask.demo_defaults["steps"],
+        "eval_every": ShapesTask.demo_defaults["eval_every"],
         "probe_every": 50,  # a shapes probe costs ~5 s (two gradients over 5 steps)
         "eval_per_digit": 1,  # only gates the evaluation; its size is eval_per_category
         "task_options": {"eval_per_category": 64},  # 384 held-out prompts
         "prompts_per_step": 8,
         "group_size": 4,
-        "lr": 3e-5,
-        # After the variant's own settings: window 5 over the 5 trained steps keeps the
-        # default's anchor density (2 of 5, as 4 of 10 with window 4).
-        "settings": {"timestep_fraction": 0.5, "window": 5, "ema_decay": 0.9, "ema_every": 8},
+        "lr": ShapesTask.demo_defaults["lr"],
+        # Applied after the variant's own settings.
+        "settings": {
+            k: ShapesTask.demo_defaults[k]
+            for k in ("timestep_fraction", "window", "ema_decay", "ema_every")
+        },
         "variants": ["exact", "uniform", "adaptive_b2"],
         # Issue 21: exact learns >= +0.08; the default within 2 % at <= 0.5 of its time.
         "targets": {"exact_gain": 0.08, "rel_tol": 0.02, "train_ratio": 0.5},
