@@ -20,6 +20,7 @@ import torch
 from jagg_autograd.checks import PLACEMENTS
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
+from jagg_autograd.lr_schedule import LR_SCHEDULERS
 from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
 from jagg_autograd.planner import FOLDS
 from jagg_autograd.rollout import STEP_SELECTIONS
@@ -174,7 +175,14 @@ class GRPOConfig:
                               "(None: the uniform count)")  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
                                 "jagg_trajectory's default)")  # fmt: skip
-    lr: float = _f(1e-4, "optimisation", "AdamW learning rate")
+    lr: float = _f(1e-4, "optimisation", "AdamW learning rate (the peak, with a schedule)")
+    lr_scheduler_type: str = _f("constant", "optimisation", "learning rate over the run's "
+                                "optimizer steps (jagg_autograd.lr_schedule): constant "
+                                "(Flow-GRPO's), or a linear / cosine decay to 0 (TRL's "
+                                "names; transformers' formulas)",
+                                choices=LR_SCHEDULERS)  # fmt: skip
+    warmup_steps: int = _f(0, "optimisation", "optimizer steps of linear warm-up from lr 0 "
+                           "(before the schedule)")  # fmt: skip
     weight_decay: float = _f(0.0, "optimisation", "AdamW weight decay (0: the pretrained "
                              "weights are the prior, not 0)")  # fmt: skip
     clip_range: float = _f(1e-4, "optimisation", "PPO ratio clip of the GRPO loss "
@@ -263,6 +271,11 @@ class GRPOConfig:
     def num_minibatches(self) -> int:
         """Minibatches per rollout: optimizer steps per epoch x accumulation steps."""
         return self.optimizer_steps_per_rollout * self.gradient_accumulation_steps
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (the learning-rate schedule's length)."""
+        return self.steps * self.num_inner_epochs * self.optimizer_steps_per_rollout
 
     @property
     def num_train_steps(self) -> int:
@@ -356,7 +369,7 @@ _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_s
             "ema_every")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
             "timestep_selection", "sde_type", "nft_noise", "nft_gradient",
-            "report_to", "fold")  # fmt: skip
+            "report_to", "fold", "lr_scheduler_type")  # fmt: skip
 
 _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (_POS_INT, lambda v, c: _is_int(v) and v >= 1, "an int >= 1"),
@@ -401,7 +414,7 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("eval_per_digit",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
     (("seed",), lambda v, c: _is_int(v), "an int"),
     (("threads",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
-    (("save_every",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
+    (("save_every", "warmup_steps"), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
     (("keep_checkpoints",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("resume_from",), _optional(lambda v, c: isinstance(v, str) and v != ""),
      "None, 'latest' or a folder"),

@@ -287,6 +287,10 @@ def _settings(cfg: dict[str, Any]) -> str:
         f" (rank {cfg['lora_rank']})" if cfg["tuning"] == "lora" else ""
     )
     extra = []
+    if cfg.get("lr_scheduler_type", "constant") != "constant" or cfg.get("warmup_steps", 0):
+        extra.append(f"{cfg.get('lr_scheduler_type', 'constant')} lr schedule"
+                     + (f", {cfg['warmup_steps']} warm-up steps" if cfg.get("warmup_steps")
+                        else ""))  # fmt: skip
     if cfg.get("beta", 0.0) > 0:
         extra.append(f"KL beta {cfg['beta']:g}")
     if cfg.get("optimizer_steps_per_rollout", 1) > 1:

@@ -68,6 +68,7 @@ from jagg_autograd.data_parallel import (
 from jagg_autograd.ema import ParamEMA
 from jagg_autograd.estimators import MODES, Minibatch, mix_window_start
 from jagg_autograd.grpo import group_advantages
+from jagg_autograd.lr_schedule import lr_factor
 from jagg_autograd.memory import SavedTensorTracker
 from jagg_autograd.policy import Policy, build_reference, resolve_device
 from jagg_autograd.rollout import (
@@ -177,6 +178,7 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         self.log = self.runlog.log
         self.device = resolve_device(config.device)
         self.step_index = 0
+        self.optimizer_step_index = 0  # the learning-rate schedule's position
         self.rollout_seconds = 0.0
         self.train_seconds = 0.0
         self._stop_requested = False
@@ -375,7 +377,12 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         else:
             gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
         _check_finite(gn.detach(), "gradient norm", self.step_index, where)
+        lr = c.lr * lr_factor(c.lr_scheduler_type, self.optimizer_step_index,
+                              c.total_optimizer_steps, c.warmup_steps)  # fmt: skip
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
+        self.optimizer_step_index += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
@@ -400,6 +407,7 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
             train_seconds=t2 - t1,
             reference_seconds=t_ref - t1,
         )
+        row["lr"] = self.optimizer.param_groups[0]["lr"]  # the step's last optimizer step's
         return reduce_row(row) if self.world_size > 1 else row
 
     # ------------------------------------------------------------------ the loop
