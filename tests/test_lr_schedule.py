@@ -84,13 +84,20 @@ def test_bad_arguments(kw):
 def test_config_refuses_bad_values():
     with pytest.raises(ValueError, match="lr_scheduler_type must be one of"):
         GRPOConfig(lr_scheduler_type="cosine_with_restarts").validate()
-    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int in \[0, 60\]"):
         GRPOConfig(warmup_steps=-1).validate()
+    # Warm-up counts optimizer steps: 60 GRPO steps x 2 epochs x 2 = 240.
+    cfg = GRPOConfig(num_inner_epochs=2, optimizer_steps_per_rollout=2, warmup_steps=240)
+    cfg.validate()
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int in \[0, 240\]"):
+        dataclasses.replace(cfg, warmup_steps=241).validate()
 
 
-_TINY = GRPOConfig(steps=3, prompts_per_step=2, group_size=2, num_steps=4, window=2,
+# Every GRPO step: 2 inner epochs x 2 optimizer steps, each over 2 accumulated minibatches.
+_TINY = GRPOConfig(steps=3, prompts_per_step=4, group_size=2, num_steps=4, window=2,
                    eval_per_digit=0, grid_samples=0, progress=False, lr=1e-3,
-                   optimizer_steps_per_rollout=2)  # fmt: skip
+                   optimizer_steps_per_rollout=2, num_inner_epochs=2,
+                   gradient_accumulation_steps=2)  # fmt: skip
 
 
 def test_each_optimizer_step_runs_at_the_scheduled_rate():
@@ -98,7 +105,7 @@ def test_each_optimizer_step_runs_at_the_scheduled_rate():
     value before every optimizer step (AdamW's moments do not depend on the lr)."""
     cfg = dataclasses.replace(_TINY, lr_scheduler_type="cosine", warmup_steps=1)
     total = cfg.total_optimizer_steps
-    assert total == 6
+    assert total == 12
     sched = GRPOTrainer(cfg)
     manual = GRPOTrainer(dataclasses.replace(_TINY, lr=1.0))
     rates = []
@@ -119,8 +126,8 @@ def test_each_optimizer_step_runs_at_the_scheduled_rate():
     for a, b in zip(sched.params, manual.params):
         assert torch.equal(a, b)
     # The log row carries the rate of the step's last optimizer step.
-    assert [r["lr"] for r, _ in rows] == [rates[1], rates[3], rates[5]]
-    assert rows[-1][0]["lr"] == pytest.approx(cfg.lr * 0.5 * (1 + math.cos(math.pi * 4 / 5)))
+    assert [r["lr"] for r, _ in rows] == [rates[3], rates[7], rates[11]]
+    assert rows[-1][0]["lr"] == pytest.approx(cfg.lr * 0.5 * (1 + math.cos(math.pi * 10 / 11)))
     # ... and a constant run's moved differently (the schedule is not a no-op).
     const = GRPOTrainer(_TINY)
     for _ in range(cfg.steps):
@@ -140,8 +147,15 @@ def test_resume_continues_the_schedule(tmp_path):
     log = train(dataclasses.replace(cfg, out=str(tmp_path / "split"), resume_from="latest"))
     assert log["resumed_from"][0]["step"] == 2
     assert "lr 0.001, linear lr schedule, 2 warm-up steps" in log["summary"]
-    rates = [1e-3 * lr_factor("linear", k, 8, 2) for k in (1, 3, 5, 7)]  # 2 per GRPO step
+    rates = [1e-3 * lr_factor("linear", k, 16, 2) for k in (3, 7, 11, 15)]  # 4 per GRPO step
     assert [r["lr"] for r in log["steps"]] == [r["lr"] for r in want] == pytest.approx(rates)
     wa = load_file(str(tmp_path / "straight" / "checkpoint-4" / "weights.safetensors"))
     wb = load_file(str(tmp_path / "split" / "checkpoint-4" / "weights.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # A resume with more --steps continues at its optimizer step on the longer curve.
+    longer = train(dataclasses.replace(
+        cfg, steps=6, out=str(tmp_path / "longer"),
+        resume_from=str(tmp_path / "straight" / "checkpoint-2")))["steps"]  # fmt: skip
+    assert [r["lr"] for r in longer[:2]] == [r["lr"] for r in want[:2]]
+    assert [r["lr"] for r in longer[2:]] == pytest.approx(
+        [1e-3 * lr_factor("linear", k, 24, 2) for k in (11, 15, 19, 23)])

@@ -141,6 +141,8 @@ def test_allowed_changes_on_resume(tmp_path):
                 "--lr", "3e-4") == 0  # fmt: skip
     log = _log(out)
     assert [r["step"] for r in log["steps"]] == [0, 1] and log["config"]["lr"] == 3e-4
+    # ... and the new rate is the one the resumed step ran at (the saved optimizer's is not).
+    assert [r["lr"] for r in log["steps"]] == [1e-4, 3e-4]
 
 
 def test_world_size_refusals():

@@ -25,7 +25,9 @@ one on :data:`RESUME_KEYS` -- the keys whose change would change the meaning of 
 state (the task and model, what is trained, the estimator, the batch layout, the world
 size) -- and raises a ``ValueError`` naming every mismatching key with its old and new
 value.  Every other key may change: ``steps``, the evaluation settings, ``out``, logging,
-``lr``... (Flow-GRPO and the Hugging Face trainers let a resumed run change those too).
+``lr``, ``lr_scheduler_type``, ``warmup_steps``... (Flow-GRPO and the Hugging Face
+trainers let a resumed run change those too; the trainer sets the rate before every
+optimizer step, so the saved optimizer's lr never overrides a new one).
 """
 
 from __future__ import annotations

@@ -178,11 +178,13 @@ class GRPOConfig:
     lr: float = _f(1e-4, "optimisation", "AdamW learning rate (the peak, with a schedule)")
     lr_scheduler_type: str = _f("constant", "optimisation", "learning rate over the run's "
                                 "optimizer steps (jagg_autograd.lr_schedule): constant "
-                                "(Flow-GRPO's), or a linear / cosine decay to 0 (TRL's "
-                                "names; transformers' formulas)",
+                                "(Flow-GRPO's; with --warmup-steps transformers' "
+                                "constant_with_warmup), or a linear / cosine decay to 0 "
+                                "(TRL's names; transformers' formulas)",
                                 choices=LR_SCHEDULERS)  # fmt: skip
-    warmup_steps: int = _f(0, "optimisation", "optimizer steps of linear warm-up from lr 0 "
-                           "(before the schedule)")  # fmt: skip
+    warmup_steps: int = _f(0, "optimisation", "optimizer steps (not GRPO steps: x "
+                           "num_inner_epochs x optimizer_steps_per_rollout) of linear warm-up "
+                           "from lr 0, before the schedule")  # fmt: skip
     weight_decay: float = _f(0.0, "optimisation", "AdamW weight decay (0: the pretrained "
                              "weights are the prior, not 0)")  # fmt: skip
     clip_range: float = _f(1e-4, "optimisation", "PPO ratio clip of the GRPO loss "
@@ -273,9 +275,14 @@ class GRPOConfig:
         return self.optimizer_steps_per_rollout * self.gradient_accumulation_steps
 
     @property
+    def optimizer_steps_per_grpo_step(self) -> int:
+        """Optimizer steps of one GRPO step: inner epochs x optimizer steps per rollout."""
+        return self.num_inner_epochs * self.optimizer_steps_per_rollout
+
+    @property
     def total_optimizer_steps(self) -> int:
         """Optimizer steps of the whole run (the learning-rate schedule's length)."""
-        return self.steps * self.num_inner_epochs * self.optimizer_steps_per_rollout
+        return self.steps * self.optimizer_steps_per_grpo_step
 
     @property
     def num_train_steps(self) -> int:
@@ -414,7 +421,10 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("eval_per_digit",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
     (("seed",), lambda v, c: _is_int(v), "an int"),
     (("threads",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
-    (("save_every", "warmup_steps"), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
+    (("save_every",), lambda v, c: _is_int(v) and v >= 0, "an int >= 0"),
+    (("warmup_steps",), lambda v, c: _is_int(v) and 0 <= v <= c.total_optimizer_steps,
+     "an int in [0, {c.total_optimizer_steps}] (the run's optimizer steps: steps x "
+     "num_inner_epochs x optimizer_steps_per_rollout)"),
     (("keep_checkpoints",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("resume_from",), _optional(lambda v, c: isinstance(v, str) and v != ""),
      "None, 'latest' or a folder"),

@@ -505,7 +505,8 @@ def train(
     """Run online GRPO on a task (default: digits); return the log (also written to ``out``).
 
     Log keys: ``run_id``, ``started_at``, ``status``, ``task``, ``config`` (resolved),
-    ``steps`` (one row per GRPO step, :meth:`jagg_autograd.runlog.StepStats.row`; probe
+    ``steps`` (one row per GRPO step, :meth:`jagg_autograd.runlog.StepStats.row` and
+    ``lr``, the rate of the step's last optimizer step; probe
     steps add ``probe_cosine`` / ``probe_rel_error``, ``track_memory`` adds
     ``peak_saved_bytes``), ``evals`` (held-out evaluations, the first before training and
     the last after: ``step``, ``mean_reward``, the task's breakdown, ``wall_seconds``),

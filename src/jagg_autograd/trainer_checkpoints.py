@@ -107,7 +107,7 @@ class CheckpointMixin:
         self.step_index = ck.step
         # Every GRPO step takes the same number of optimizer steps (the config is checked
         # against the checkpoint's), so the schedule's position follows from the step.
-        self.optimizer_step_index = ck.step * c.num_inner_epochs * c.optimizer_steps_per_rollout
+        self.optimizer_step_index = ck.step * c.optimizer_steps_per_grpo_step
         self.rollout_seconds = float(log.get("rollout_seconds", 0.0))
         self.train_seconds = float(log.get("train_seconds", 0.0))
         if self.ema is not None and "ema_updates" in ck.extra:
