@@ -52,6 +52,7 @@ task ``reward_vs_step_<task>.png``, ``reward_vs_wallclock_<task>.png``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -385,7 +386,21 @@ def finished_runs(
     have = [n for n in names if isinstance(logs.get(n), dict)]
     want = _want(task, seed, have, study)
     done = [n for n in have if logs[n].get("status") == "finished"]
-    return {n: logs[n] for n in done if logs[n].get("config") == want[n]}
+    return {n: logs[n] for n in done if _same_config(logs[n].get("config"), want[n])}
+
+
+def _same_config(saved: Any, want: dict[str, Any]) -> bool:
+    """``saved == want``, except that a key the saved config lacks matches when ``want``
+    has the field's default: a config field added after the run (at its default, which
+    keeps the behaviour the run had) does not make a finished run train again."""
+    from jagg_autograd.config import GRPOConfig
+
+    if not isinstance(saved, dict):
+        return False
+    defaults = json.loads(json.dumps(dataclasses.asdict(GRPOConfig())))
+    missing = want.keys() - saved.keys()
+    return all(k in defaults and want[k] == defaults[k] for k in missing) and saved == {
+        k: v for k, v in want.items() if k not in missing}  # fmt: skip
 
 
 def finished_job(
@@ -395,7 +410,9 @@ def finished_job(
     (the memory job: ``seed`` None)."""
     logs = _read_logs(path)
     if seed is None:
-        return bool(logs) and logs.get("config") == _want(task, 0, names, study)
+        saved, want = logs.get("config"), _want(task, 0, names, study)
+        return (isinstance(saved, dict) and saved.keys() == want.keys()
+                and all(_same_config(saved[n], want[n]) for n in want))  # fmt: skip
     return set(logs) == set(names) and len(finished_runs(path, task, seed, names, study)) == len(
         names
     )

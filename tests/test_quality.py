@@ -386,6 +386,15 @@ def test_resume_trains_only_the_added_variant(tmp_path: Path):
         assert a == b, key
     # A changed setting does not keep the run.
     assert finished_runs(raw, "digits", 2, names, dict(study, lr=3e-4)) == {}
+    # A config field added after the run (absent from its log) keeps it when the study
+    # wants the field's default, not when it wants another value.
+    logs = json.loads(raw.read_text())
+    for log in logs.values():
+        del log["config"]["warmup_steps"]
+    raw.write_text(json.dumps(logs))
+    assert list(finished_runs(raw, "digits", 2, names, study)) == names
+    warm = dict(study, settings={**study.get("settings", {}), "warmup_steps": 1})
+    assert finished_runs(raw, "digits", 2, names, warm) == {}
     # A study that no longer names a variant reports only its own, though the raw file
     # keeps the other run (nothing is trained: the memory step only).
     out = tmp_path / "study"
