@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -389,15 +390,21 @@ def finished_runs(
     return {n: logs[n] for n in done if _same_config(logs[n].get("config"), want[n])}
 
 
+@functools.cache
+def _config_defaults() -> dict[str, Any]:
+    """``GRPOConfig``'s defaults as a JSON round trip (as the logs hold them)."""
+    from jagg_autograd.config import GRPOConfig
+
+    return json.loads(json.dumps(dataclasses.asdict(GRPOConfig())))
+
+
 def _same_config(saved: Any, want: dict[str, Any]) -> bool:
     """``saved == want``, except that a key the saved config lacks matches when ``want``
     has the field's default: a config field added after the run (at its default, which
     keeps the behaviour the run had) does not make a finished run train again."""
-    from jagg_autograd.config import GRPOConfig
-
     if not isinstance(saved, dict):
         return False
-    defaults = json.loads(json.dumps(dataclasses.asdict(GRPOConfig())))
+    defaults = _config_defaults()
     missing = want.keys() - saved.keys()
     return all(k in defaults and want[k] == defaults[k] for k in missing) and saved == {
         k: v for k, v in want.items() if k not in missing}  # fmt: skip

@@ -2,11 +2,11 @@
 
 Flow-GRPO, DanceGRPO and DiffusionNFT train at a constant learning rate; TRL's
 ``GRPOConfig`` inherits transformers' ``lr_scheduler_type`` (default ``"linear"``) and
-``warmup_steps``.  Both are here, with transformers' formulas (one difference:
-transformers' ``"constant"`` ignores ``warmup_steps``, ``"constant_with_warmup"`` uses it;
-here ``"constant"`` warms up when ``warmup > 0``)
+``warmup_steps``.  Both are here, with transformers' formulas
 (``get_constant_schedule_with_warmup``, ``get_linear_schedule_with_warmup``,
-``get_cosine_schedule_with_warmup``).  Optimizer step ``k`` (0-based) of ``N`` in the run,
+``get_cosine_schedule_with_warmup``).  One difference: transformers' ``"constant"``
+ignores ``warmup_steps`` (``"constant_with_warmup"`` uses it); here ``"constant"`` warms
+up when ``warmup > 0``.  Optimizer step ``k`` (0-based) of ``N`` in the run,
 ``w`` warm-up steps, runs at ``lr * lr_factor(kind, k, N, w)``::
 
     k < w:              k / w                                  (linear warm-up from 0)
