@@ -50,7 +50,7 @@ def test_known_values():
     # Warm-up: k / w from 0, then the decay over the remaining N - w steps.
     assert [lr_factor("linear", k, 6, warmup=2) for k in range(6)] == [0, 0.5, 1, 0.75, 0.5, 0.25]
     assert [lr_factor("constant", k, 6, warmup=4) for k in range(6)] == [0, .25, .5, .75, 1, 1]
-    # Past the end (a resumed run given fewer steps): 0, never negative.
+    # Past the end of the run: 0, never negative (nor rising again, for the cosine).
     assert lr_factor("linear", 12, 10) == 0.0 and lr_factor("cosine", 12, 10) == 0.0
 
 
@@ -67,10 +67,16 @@ def test_properties(kind, total, warmup, data):
     assert all(a >= b - 1e-12 for a, b in zip(after, after[1:]))
     if after:
         assert after[0] == 1.0
-    k = data.draw(st.integers(warmup, warmup + total))
-    if kind == "linear":
-        assert lr_factor(kind, k, total, warmup) == pytest.approx(
-            max(0.0, (total - k) / max(1, total - warmup)))
+    n = total - warmup
+    if kind == "linear" and n >= 2:
+        # Affine after the warm-up: equal drops of 1 / (N - w), reaching 0 at step N.
+        assert all(a - b == pytest.approx(1 / n) for a, b in zip(after, after[1:]))
+        assert lr_factor(kind, total, total, warmup) == 0.0
+    if kind == "cosine" and n >= 2:
+        # Point-symmetric about the middle of the decay: f(w + j) + f(N - j) = 1.
+        j = data.draw(st.integers(0, n))
+        assert lr_factor(kind, warmup + j, total, warmup) + lr_factor(
+            kind, total - j, total, warmup) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("kw", [{"kind": "step"}, {"step": -1}, {"total": 0},
