@@ -111,3 +111,51 @@ def test_global_std_reaches_the_advantages():
     torch.testing.assert_close(adv, group_advantages(rewards, batch.groups, global_std=True))
     per_group = group_advantages(rewards, batch.groups)
     assert not torch.allclose(adv, per_group)
+
+
+def _flow_grpo_geneval_epoch_average(epochs: int) -> float:
+    """The EMA of Flow-GRPO's GenEval run (``scripts/train_sd3.py``, ``config/grpo.py``
+    ``geneval_sd3``) with the weights' value set to their age in rollout epochs.
+
+    Each epoch trains ``num_batches_per_epoch = 4`` minibatches at
+    ``gradient_accumulation_steps = 2``: two optimizer steps, ``global_step`` counting them.
+    ``ema.step(params, global_step)`` runs after *every minibatch* (outside the
+    ``sync_gradients`` branch), so while ``global_step % 8 == 7`` it fires twice, on the
+    same weights."""
+    ema, global_step, decay = 0.0, 0, 0.9
+    for epoch in range(epochs):
+        for minibatch in range(4):
+            if minibatch % 2 == 1:
+                global_step += 1  # the optimizer step at the end of an accumulation
+            theta = epoch + (global_step - 2 * epoch) / 2  # epochs of training the weights saw
+            if (global_step + 1) % 8 == 0:
+                d = min((1 + global_step) / (10 + global_step), decay)
+                ema += (1 - d) * (theta - ema)
+    return ema
+
+
+def _ours_epoch_average(epochs: int, decay: float, every: int) -> float:
+    p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+    ema = ParamEMA([p], decay, every)
+    for epoch in range(epochs):  # one optimizer step per rollout, as the trainer's default
+        with torch.no_grad():
+            p.fill_(epoch + 1)
+        ema.update()
+    return float(ema.values[0])
+
+
+@pytest.mark.parametrize("epochs", [100, 150, 300])
+def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(epochs):
+    """The demo's ``ema_every`` is per optimizer step, one per rollout; Flow-GRPO's GenEval
+    run makes two updates every 4 epochs (above).  Both must weigh the same past: the mean
+    age of the averaged weights agrees to 2 epochs (it is ~18-20), where the interval of 8
+    per rollout would average weights 48-74 epochs old."""
+    from jagg_autograd.tasks.shapes import ShapesTask
+
+    d = ShapesTask.demo_defaults
+    theirs = epochs - _flow_grpo_geneval_epoch_average(epochs)
+    ours = epochs - _ours_epoch_average(epochs, d["ema_decay"], d["ema_every"])
+    assert 15 < theirs < 21
+    assert abs(ours - theirs) < 2.0, (ours, theirs)
+    stale = epochs - _ours_epoch_average(epochs, 0.9, 8)
+    assert stale - theirs > 25, (stale, theirs)

@@ -210,7 +210,8 @@ class GRPOConfig:
     ema_decay: float = _f(0.0, "optimisation", "evaluate (and grid) an EMA of the trained "
                           "weights with this decay (each evaluation also logs the raw weights' "
                           "raw_mean_reward); rollouts use the raw ones (0: off; Flow-GRPO's "
-                          "GenEval config: 0.9 every 8 steps)")  # fmt: skip
+                          "GenEval run: 0.9, which with one optimizer step per rollout "
+                          "is --ema-every 2, ema.py)")  # fmt: skip
     ema_every: int = _f(1, "optimisation", "optimizer steps between EMA updates")
     tuning: str = _f("full", "optimisation", "full fine-tuning or LoRA adapters (needs peft)",
                      choices=TUNING)  # fmt: skip

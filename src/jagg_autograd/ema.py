@@ -6,8 +6,9 @@ Flow-GRPO's GenEval and OCR runs evaluate (and save) an EMA of the trainable wei
 loss use the raw weights.  A GRPO gradient is mostly noise (97-99 % of a batch's, issue
 18), and AdamW moves every weight by about ``lr`` per step whatever its gradient's size,
 so the raw weights also random-walk; the average keeps the drift the steps share and
-cancels much of that walk.  (On the shapes task it kept a +0.08 gain where the raw weights
-fell back below the start, and cost some while they still rose: SHAPES.md.)
+cancels much of that walk.  (On the shapes task, at an interval 4x too long -- below -- it
+kept a +0.08 gain where the raw weights fell back below the start, and cost some while
+they still rose: SHAPES.md.)
 
 Math, after optimizer step ``s`` (0-based) when ``(s + 1) % every == 0``::
 
@@ -16,6 +17,17 @@ Math, after optimizer step ``s`` (0-based) when ``(s + 1) % every == 0``::
 
 Steps in between leave ``ema`` unchanged (``every`` > 1 averages fewer, further-apart
 points, as Flow-GRPO's interval of 8 does).
+
+**Flow-GRPO's interval in rollouts.**  Its ``s`` is ``global_step``, which counts optimizer
+steps, but ``ema.step`` runs after every *minibatch* (outside the ``sync_gradients``
+branch).  Its GenEval config trains 4 minibatches per epoch at 2 accumulated per optimizer
+step, so an epoch sees ``global_step`` at ``2e, 2e+1, 2e+1, 2e+2`` and the update fires
+twice (on the same weights) in every fourth epoch: decay 0.81 per 4 rollouts, whose
+averaged weights are 17-20 rollouts old (at epoch 100-300), not the 160 optimizer steps its
+comment names.  With one optimizer step per rollout (this trainer's default) ``decay=0.9,
+every=2`` averages the same past (mean age within 2 rollouts of it from epoch 100 on;
+``every=8`` would average weights 48-74 rollouts old): tests/test_ema.py replays the two
+loops.
 """
 
 from __future__ import annotations

@@ -68,20 +68,23 @@ class ShapesTask(GRPOTask):
     #: ``jagg-demo --task shapes`` settings (GRPOConfig fields; flags override them), from
     #: issue 21's trials (benchmarks/results/shapes/SHAPES.md; 8 prompts x 4, seed 0): on
     #: the model shipped before, training all 10 steps peaked early and fell back (a 4x4-patch
-    #: texture), the first 5 steps rose faster and Flow-GRPO's EMA (0.9 every 8 steps) kept
-    #: the gain at the end.  On the shipped model (no pooled text vector, 2026-12-06) lr 6e-5
-    #: and 4.5e-5 collapse the raw weights by step 150 (held-out 0.302 / 0.344 from 0.477);
-    #: lr 3e-5 ends at EMA +0.058 / strict +0.057 (seeds 0-2: +0.041 / +0.045).  Window 5
+    #: texture) and the first 5 steps rose faster.  On the shipped model (no pooled text
+    #: vector, 2026-12-06) lr 6e-5 and 4.5e-5 collapse the raw weights by step 150
+    #: (held-out 0.302 / 0.344 from 0.477); at lr 3e-5 they peak at step 100 on each of
+    #: seeds 0-2 and fall back by 150.  The EMA is Flow-GRPO's GenEval run's in rollouts:
+    #: 0.9 every 2 (ema.py: its loop updates twice every 4 epochs; the 0.9 every 8 used
+    #: until 2026-12-06 averaged 3x older weights).  At it the held-out gain over seeds 0-2
+    #: is +0.048 at step 100 and +0.033 at 150 (chosen on those runs: 100 steps).  Window 5
     #: over the 5 trained steps keeps the default's anchor density (2 of 5).  The ODE
-    #: evaluation is GenEval's protocol; 9.0 min on 2 threads (a third of it evaluations:
-    #: with the EMA each scores the averaged and the raw weights).
+    #: evaluation is GenEval's protocol; a third of the time is evaluations (with the EMA
+    #: each scores the averaged and the raw weights).
     demo_defaults: ClassVar[dict[str, Any]] = {
         "lr": 3e-5,
-        "steps": 150,
+        "steps": 100,
         "timestep_fraction": 0.5,
         "window": 5,
         "ema_decay": 0.9,
-        "ema_every": 8,
+        "ema_every": 2,
         "eval_every": 50,
         "eval_sampler": "ode",
     }
