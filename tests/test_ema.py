@@ -113,16 +113,16 @@ def test_global_std_reaches_the_advantages():
     assert not torch.allclose(adv, per_group)
 
 
-def _flow_grpo_geneval_epoch_average(epochs: int) -> float:
+def _flow_grpo_geneval_epoch_averages(epochs: int) -> list[float]:
     """The EMA of Flow-GRPO's GenEval run (``scripts/train_sd3.py``, ``config/grpo.py``
-    ``geneval_sd3``) with the weights' value set to their age in rollout epochs.
+    ``geneval_sd3``) after each epoch, with the weights' value set to their age in epochs.
 
     Each epoch trains ``num_batches_per_epoch = 4`` minibatches at
     ``gradient_accumulation_steps = 2``: two optimizer steps, ``global_step`` counting them.
     ``ema.step(params, global_step)`` runs after *every minibatch* (outside the
     ``sync_gradients`` branch), so while ``global_step % 8 == 7`` it fires twice, on the
     same weights."""
-    ema, global_step, decay = 0.0, 0, 0.9
+    ema, global_step, decay, out = 0.0, 0, 0.9, []
     for epoch in range(epochs):
         for minibatch in range(4):
             if minibatch % 2 == 1:
@@ -131,31 +131,37 @@ def _flow_grpo_geneval_epoch_average(epochs: int) -> float:
             if (global_step + 1) % 8 == 0:
                 d = min((1 + global_step) / (10 + global_step), decay)
                 ema += (1 - d) * (theta - ema)
-    return ema
+        out.append(ema)
+    return out
 
 
-def _ours_epoch_average(epochs: int, decay: float, every: int) -> float:
+def _ours_epoch_averages(epochs: int, decay: float, every: int) -> list[float]:
     p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
-    ema = ParamEMA([p], decay, every)
-    for epoch in range(epochs):  # one optimizer step per rollout, as the trainer's default
+    ema, out = ParamEMA([p], decay, every), []
+    for epoch in range(epochs):  # one optimizer step per rollout (asserted below)
         with torch.no_grad():
             p.fill_(epoch + 1)
         ema.update()
-    return float(ema.values[0])
+        out.append(float(ema.values[0]))
+    return out
 
 
-@pytest.mark.parametrize("epochs", [100, 150, 300])
-def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(epochs):
-    """The demo's ``ema_every`` is per optimizer step, one per rollout; Flow-GRPO's GenEval
-    run makes two updates every 4 epochs (above).  Both must weigh the same past: the mean
-    age of the averaged weights agrees to 2 epochs (it is ~18-20), where the interval of 8
-    per rollout would average weights 48-74 epochs old."""
+def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run():
+    """The demo's ``ema_every`` counts optimizer steps, one per rollout; Flow-GRPO's GenEval
+    run makes two updates every 4 epochs (above).  Both must weigh the same past: from
+    epoch 100 to 300 the mean age of the averaged weights agrees to 2.5 epochs (it is
+    17-21), where an interval of 8 per rollout averages weights 47-77 epochs old.  (At
+    epoch 50 the warm-ups differ: 9 against 16.)"""
     from jagg_autograd.tasks.shapes import ShapesTask
 
     d = ShapesTask.demo_defaults
-    theirs = epochs - _flow_grpo_geneval_epoch_average(epochs)
-    ours = epochs - _ours_epoch_average(epochs, d["ema_decay"], d["ema_every"])
-    assert 15 < theirs < 21
-    assert abs(ours - theirs) < 2.0, (ours, theirs)
-    stale = epochs - _ours_epoch_average(epochs, 0.9, 8)
-    assert stale - theirs > 25, (stale, theirs)
+    assert GRPOConfig(**d).optimizer_steps_per_grpo_step == 1
+    n = 300
+    theirs = _flow_grpo_geneval_epoch_averages(n)
+    ours = _ours_epoch_averages(n, d["ema_decay"], d["ema_every"])
+    stale = _ours_epoch_averages(n, 0.9, 8)
+    for e in range(100, n + 1):  # after e epochs
+        age_theirs, age_ours, age_stale = (e - v[e - 1] for v in (theirs, ours, stale))
+        assert 17 < age_theirs < 21, (e, age_theirs)
+        assert abs(age_ours - age_theirs) < 2.5, (e, age_ours, age_theirs)
+        assert age_stale - age_theirs > 25, (e, age_stale, age_theirs)

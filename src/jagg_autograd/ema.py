@@ -23,10 +23,10 @@ steps, but ``ema.step`` runs after every *minibatch* (outside the ``sync_gradien
 branch).  Its GenEval config trains 4 minibatches per epoch at 2 accumulated per optimizer
 step, so an epoch sees ``global_step`` at ``2e, 2e+1, 2e+1, 2e+2`` and the update fires
 twice (on the same weights) in every fourth epoch: decay 0.81 per 4 rollouts, whose
-averaged weights are 17-20 rollouts old (at epoch 100-300), not the 160 optimizer steps its
+averaged weights are 17-21 rollouts old (at epochs 100-300), not the 160 optimizer steps its
 comment names.  With one optimizer step per rollout (this trainer's default) ``decay=0.9,
-every=2`` averages the same past (mean age within 2 rollouts of it from epoch 100 on;
-``every=8`` would average weights 48-74 rollouts old): tests/test_ema.py replays the two
+every=2`` averages the same past (mean age within 2.5 rollouts of it from epoch 100 on;
+``every=8`` would average weights 47-77 rollouts old): tests/test_ema.py replays the two
 loops.
 """
 
