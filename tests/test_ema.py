@@ -15,13 +15,19 @@ from jagg_autograd.ema import ParamEMA
 from jagg_autograd.trainer import GRPOTrainer
 
 
+def _flow_grpo_step(ema, theta, optimization_step: int, decay: float, interval: int):
+    """Flow-GRPO's ``EMAModuleWrapper.step(params, optimization_step)`` (flow_grpo/ema.py)."""
+    if (optimization_step + 1) % interval == 0:
+        d = min((1 + optimization_step) / (10 + optimization_step), decay)
+        ema = ema + (1 - d) * (theta - ema)
+    return ema
+
+
 def _flow_grpo_ema(history: list[torch.Tensor], decay: float, every: int) -> torch.Tensor:
     """Flow-GRPO's EMAModuleWrapper.step over the weights after each optimizer step."""
     ema = history[0].clone()  # the weights before training
     for s, theta in enumerate(history[1:]):
-        if (s + 1) % every == 0:
-            d = min((1 + s) / (10 + s), decay)
-            ema = ema + (1 - d) * (theta - ema)
+        ema = _flow_grpo_step(ema, theta, s, decay, every)
     return ema
 
 
@@ -128,9 +134,7 @@ def _flow_grpo_geneval_epoch_averages(epochs: int) -> list[float]:
             if minibatch % 2 == 1:
                 global_step += 1  # the optimizer step at the end of an accumulation
             theta = epoch + (global_step - 2 * epoch) / 2  # epochs of training the weights saw
-            if (global_step + 1) % 8 == 0:
-                d = min((1 + global_step) / (10 + global_step), decay)
-                ema += (1 - d) * (theta - ema)
+            ema = _flow_grpo_step(ema, theta, global_step, decay, 8)
         out.append(ema)
     return out
 
