@@ -139,31 +139,40 @@ def _flow_grpo_geneval_epoch_averages(epochs: int) -> list[float]:
     return out
 
 
-def _ours_epoch_averages(epochs: int, decay: float, every: int) -> list[float]:
+def _ours_epoch_averages(epochs: int, decay: float, every: int, per_epoch: int) -> list[float]:
+    """Our EMA after each epoch at ``per_epoch`` optimizer steps per rollout, the weights'
+    value set to their age in epochs as in the replay above."""
     p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
     ema, out = ParamEMA([p], decay, every), []
-    for epoch in range(epochs):  # one optimizer step per rollout (asserted below)
-        with torch.no_grad():
-            p.fill_(epoch + 1)
-        ema.update()
+    for epoch in range(epochs):
+        for k in range(per_epoch):
+            with torch.no_grad():
+                p.fill_(epoch + (k + 1) / per_epoch)
+            ema.update()
         out.append(float(ema.values[0]))
     return out
 
 
-def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run():
+@pytest.mark.parametrize(
+    ("overrides", "per_rollout"),
+    [({}, 1), ({"optimizer_steps_per_rollout": 2, "ema_every": 4}, 2)],
+    ids=["demo", "two_optimizer_steps_per_rollout"],
+)
+def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(overrides, per_rollout):
     """The demo's ``ema_every`` counts optimizer steps, one per rollout; Flow-GRPO's GenEval
     run makes two updates every 4 epochs (above).  Both must weigh the same past: from
     epoch 100 to 300 the mean age of the averaged weights agrees to 2.5 epochs (it is
     17-21), where an interval of 8 per rollout averages weights 47-77 epochs old.  (At
-    epoch 50 the warm-ups differ: 9 against 16.)"""
+    epoch 50 the warm-ups differ: 9 against 16.)  The lever of two optimizer steps per
+    rollout (Flow-GRPO's own count, SHAPES.md) keeps that past at ``ema_every=4``."""
     from jagg_autograd.tasks.shapes import ShapesTask
 
-    d = ShapesTask.demo_defaults
-    assert GRPOConfig(**d).optimizer_steps_per_grpo_step == 1
+    d = {**ShapesTask.demo_defaults, **overrides}
+    assert GRPOConfig(**d).optimizer_steps_per_grpo_step == per_rollout
     n = 300
     theirs = _flow_grpo_geneval_epoch_averages(n)
-    ours = _ours_epoch_averages(n, d["ema_decay"], d["ema_every"])
-    stale = _ours_epoch_averages(n, 0.9, 8)
+    ours = _ours_epoch_averages(n, d["ema_decay"], d["ema_every"], per_rollout)
+    stale = _ours_epoch_averages(n, 0.9, 8, 1)
     for e in range(100, n + 1):  # after e epochs
         age_theirs, age_ours, age_stale = (e - v[e - 1] for v in (theirs, ours, stale))
         assert 17 < age_theirs < 21, (e, age_theirs)

@@ -26,7 +26,8 @@ twice (on the same weights) in every fourth epoch: decay 0.81 per 4 rollouts, wh
 averaged weights are 17-21 rollouts old (at epochs 100-300), not the 160 optimizer steps its
 comment names.  With one optimizer step per rollout (this trainer's default) ``decay=0.9,
 every=2`` averages the same past (mean age within 2.5 rollouts of it from epoch 100 on;
-``every=8`` would average weights 47-77 rollouts old): tests/test_ema.py replays the two
+``every=8`` would average weights 47-77 rollouts old); at Flow-GRPO's own two optimizer
+steps per rollout, ``every=4`` does (within 1.6 rollouts): tests/test_ema.py replays the
 loops.
 """
 
