@@ -154,17 +154,17 @@ def _ours_epoch_averages(epochs: int, decay: float, every: int, per_epoch: int) 
 
 
 @pytest.mark.parametrize(
-    ("overrides", "per_rollout"),
-    [({}, 1), ({"optimizer_steps_per_rollout": 2, "ema_every": 4}, 2)],
+    ("overrides", "per_rollout", "within"),
+    [({}, 1, 2.5), ({"optimizer_steps_per_rollout": 2, "ema_every": 4}, 2, 1.6)],
     ids=["demo", "two_optimizer_steps_per_rollout"],
 )
-def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(overrides, per_rollout):
+def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(overrides, per_rollout, within):
     """The demo's ``ema_every`` counts optimizer steps, one per rollout; Flow-GRPO's GenEval
     run makes two updates every 4 epochs (above).  Both must weigh the same past: from
     epoch 100 to 300 the mean age of the averaged weights agrees to 2.5 epochs (it is
     17-21), where an interval of 8 per rollout averages weights 47-77 epochs old.  (At
     epoch 50 the warm-ups differ: 9 against 16.)  The lever of two optimizer steps per
-    rollout (Flow-GRPO's own count, SHAPES.md) keeps that past at ``ema_every=4``."""
+    rollout (Flow-GRPO's own count, SHAPES.md) keeps that past at ``ema_every=4``, to 1.6."""
     from jagg_autograd.tasks.shapes import ShapesTask
 
     d = {**ShapesTask.demo_defaults, **overrides}
@@ -176,5 +176,5 @@ def test_shapes_demo_ema_averages_as_flow_grpos_geneval_run(overrides, per_rollo
     for e in range(100, n + 1):  # after e epochs
         age_theirs, age_ours, age_stale = (e - v[e - 1] for v in (theirs, ours, stale))
         assert 17 < age_theirs < 21, (e, age_theirs)
-        assert abs(age_ours - age_theirs) < 2.5, (e, age_ours, age_theirs)
+        assert abs(age_ours - age_theirs) < within, (e, age_ours, age_theirs)
         assert age_stale - age_theirs > 25, (e, age_stale, age_theirs)
