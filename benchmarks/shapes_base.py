@@ -4,6 +4,7 @@ standard errors, and the two failure modes behind the weak categories.
     python -m benchmarks.shapes_base                       # the shipped model, ~1 min
     python -m benchmarks.shapes_base --models stage2=src/jagg_autograd/assets \\
         s3=/tmp/shapes_stage3                              # compare candidate models
+    python -m benchmarks.shapes_base --split train         # GRPO's training prompts
     python -m benchmarks.shapes_base --quick               # the test configuration
 
 Issue 21 asks for a base model whose strict accuracy per GenEval category lies between ~0.2
@@ -21,6 +22,9 @@ fractions from the detector (:func:`~jagg_autograd.tasks.shapes_reward.detect_ob
 * **merged**: a detected component of more pixels than the largest rendered object (a 13 x 13
   square) with a one-pixel rim, ``> 15 * 15``: objects drawn into one another, which the
   detector cannot count or place.
+
+Probes of the categories that name two objects follow (``pair_anatomy``, ``binding_chain``,
+``relation_anatomy``: where position pictures put the first named object, per relation).
 
 Outputs (``--out``, default ``benchmarks/results/shapes_base``): ``shapes_base.json`` and
 ``SHAPES_BASE.md``.
@@ -56,6 +60,7 @@ from jagg_autograd.tasks.shapes_scenes import (
     CATEGORIES,
     COLORS,
     LARGEST_SIDE,
+    RELATIONS,
     SHAPES,
     PromptSpec,
     all_prompts,
@@ -71,6 +76,8 @@ _REVERSED = {"left": "right", "right": "left", "above": "below", "below": "above
 BINDING_CATEGORIES = ("color_attr", "position")
 #: Why a two-object picture lacks its two named-shape detections (:func:`binding_chain`).
 MISS_REASONS = ("more", "merged", "unknown", "other_shape", "missing")
+#: Where a position picture puts its first named object (:func:`relation_anatomy`).
+PLACEMENTS = ("left", "right", "above", "below")
 #: The text's two paths into the MMDiT (:func:`pooled_probe`).
 TEXT_PATHS = ("tokens", "pooled", "other")
 CONFIGS = {
@@ -198,6 +205,53 @@ def binding_chain(detections: list[list[Detection]], prompts: list[str]) -> dict
             "bound": t["bound"] / max(t["shapes"], 1),
             "strict": t["bound"] / max(t["pictures"], 1),
             "missed": {r: t[r] / max(t["pictures"], 1) for r in MISS_REASONS},
+        }
+    return out
+
+
+def relation_anatomy(detections: list[list[Detection]], prompts: list[str]) -> dict[str, Any]:
+    """Where ``position`` pictures put the first named object, per asked relation.
+
+    Over the pictures in which the asked pair is drawn (every count clause holds: one
+    detection of each named shape, the ``bound`` link of :func:`binding_chain`), per relation
+    of :data:`RELATIONS`: ``pictures``; ``holds``, the share whose position clause holds (the
+    reward's rule, with its margin); and ``placed``, the share in which the first named
+    object lies ``left`` / ``right`` / ``above`` / ``below`` the second along the axis of the
+    larger centre offset (image y grows downwards; no margin, so the four sum to 1).  A model
+    that reads the relation word has ``placed`` concentrated on the asked side; one that
+    ignores it spreads ``placed`` whatever the relation.  ``horizontal`` / ``vertical`` pool
+    left of + right of / above + below.
+    """
+    tallies: dict[str, Counter] = {r: Counter() for r in RELATIONS}
+    for dets, prompt in zip(detections, prompts, strict=True):
+        spec = parse_prompt(prompt)
+        if spec.category != "position":
+            continue
+        clauses = clause_results(spec, dets)
+        if not all(v for k, v in clauses.items() if k.startswith("count")):
+            continue
+        (a,) = (d for d in dets if d.shape == spec.groups[0].shape)
+        (b,) = (d for d in dets if d.shape == spec.groups[1].shape)
+        dx, dy = a.cx - b.cx, a.cy - b.cy
+        if abs(dx) >= abs(dy):
+            where = "left" if dx < 0 else "right"
+        else:
+            where = "above" if dy < 0 else "below"
+        t = tallies[str(spec.relation)]
+        t["pictures"] += 1
+        t["holds"] += bool(clauses["position"])
+        t[where] += 1
+    pooled = {
+        "horizontal": tallies["left of"] + tallies["right of"],
+        "vertical": tallies["above"] + tallies["below"],
+    }
+    out: dict[str, Any] = {}
+    for key, t in {**tallies, **pooled}.items():
+        n = max(t["pictures"], 1)
+        out[key] = {
+            "pictures": t["pictures"],
+            "holds": t["holds"] / n,
+            "placed": {w: t[w] / n for w in PLACEMENTS},
         }
     return out
 
@@ -376,6 +430,7 @@ def evaluate_model(
         "pooled_probe": pooled_probe(task, probe_per_prompt, noise_seeds[0], noise_level, steps),
         "pair_anatomy": pair_anatomy(dets, drawn_prompts),
         "binding_chain": binding_chain(dets, drawn_prompts),
+        "relation_anatomy": relation_anatomy(dets, drawn_prompts),
         "samples": len(drawn_prompts),
         "strict_accuracy": strict,
         "strict_se": math.sqrt(strict * (1 - strict) / len(drawn_prompts)),
@@ -422,7 +477,8 @@ def report(res: dict[str, Any]) -> str:
         "",
         f"`{res['command']}` — {res['date']}, {res['seconds']:.0f} s.",
         "",
-        f"Held-out evaluation set, {cfg['per_category']} prompts per category x "
+        f"{'Training' if cfg.get('split') == 'train' else 'Held-out'} evaluation set, "
+        f"{cfg['per_category']} prompts per category x "
         f"{len(cfg['noise_seeds'])} noise draws (seeds {cfg['noise_seeds']}, the same for "
         f"every model), CFG {cfg['guidance_scale']:g}, {cfg['steps']} steps, SDE noise level "
         f"{cfg['noise_level']:g}.  Strict accuracy ± its binomial standard error; the "
@@ -522,6 +578,20 @@ def report(res: dict[str, Any]) -> str:
         res, "binding_chain", ("found", ".2f"), ("shapes", ".2f"), ("bound", ".2f"),
         ("strict", ".3f"), ("missed", lambda d: " / ".join(f"{v:.2f}" for v in d.values())),
     )  # fmt: skip
+    lines += [
+        "",
+        "Where position pictures with the asked pair put the first named object "
+        "(`relation_anatomy`): per asked relation, the pictures, the share whose relation "
+        "holds (the reward's rule), and the side of the second object the first lies on "
+        "(the axis of the larger offset, no margin):",
+        "",
+        "| model | asked relation | pictures | holds | placed " + " / ".join(PLACEMENTS) + " |",
+        "|---|---|---|---|---|",
+    ]
+    lines += _category_rows(
+        res, "relation_anatomy", ("pictures", "d"), ("holds", ".2f"),
+        ("placed", lambda d: " / ".join(f"{d[w]:.2f}" for w in PLACEMENTS)),
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -537,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise-level", type=float, default=0.7, help="the trainer's SDE eta")
     p.add_argument("--steps", type=int, default=10, help="the trainer's sampler steps")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout",
+                   help="prompt split to sample (train: GRPO's training prompts; pre-training "
+                   "draws from both)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/shapes_base"))
     p.add_argument("--no-progress", action="store_true", help="accepted; prints nothing else")
     args = p.parse_args(argv)
@@ -554,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     torch.set_num_threads(args.threads)
-    cfg.update(guidance_scale=args.guidance_scale, noise_level=args.noise_level, steps=args.steps)
-    prompts = eval_prompt_set(cfg["per_category"], "heldout")
+    cfg.update(guidance_scale=args.guidance_scale, noise_level=args.noise_level, steps=args.steps,
+               split=args.split)  # fmt: skip
+    prompts = eval_prompt_set(cfg["per_category"], args.split)
     t0 = time.time()
     res: dict[str, Any] = {
         "command": "python -m benchmarks.shapes_base "

@@ -149,6 +149,58 @@ def test_binding_chain_miss_reasons() -> None:
     )
 
 
+def test_relation_anatomy_on_known_pictures() -> None:
+    """Each picture lands on the side its placement puts the first named object, per asked
+    relation; pictures without the asked pair and other categories are not counted; holds
+    is the reward's position clause (with its margin), placed is the dominant axis."""
+    from benchmarks.shapes_base import PLACEMENTS, binding_chain, relation_anatomy
+    from jagg_autograd.tasks.shapes_reward import detect_objects
+
+    def dets(*objects: SceneObject) -> list:
+        return detect_objects(_picture(list(objects)))
+
+    circle_left = dets(
+        SceneObject("circle", "red", 7, 12, 5), SceneObject("square", "blue", 24, 12, 5)
+    )
+    circle_top = dets(
+        SceneObject("circle", "red", 12, 6, 5), SceneObject("square", "blue", 14, 24, 5)
+    )
+    # Diagonal, the vertical offset larger: placed "above", and "left of" does not hold.
+    diagonal = dets(
+        SceneObject("circle", "red", 8, 7, 4), SceneObject("square", "blue", 20, 21, 4)
+    )
+    two_circles = dets(
+        SceneObject("circle", "red", 7, 12, 5), SceneObject("circle", "blue", 24, 12, 5)
+    )
+    pos = "a photo of a circle {} a square"
+    pictures = [circle_left, circle_left, circle_top, circle_top, circle_left, two_circles,
+                circle_left, diagonal]
+    prompts = [pos.format("left of"), pos.format("right of"), pos.format("above"),
+               pos.format("below"), pos.format("below"), pos.format("above"),
+               "a photo of a circle and a square", pos.format("left of")]  # fmt: skip
+    ra = relation_anatomy(pictures, prompts)
+    assert set(ra) == {"left of", "right of", "above", "below", "horizontal", "vertical"}
+
+    def check(key: str, pictures: int, holds: float, **placed: float) -> None:
+        row = ra[key]
+        assert row["pictures"] == pictures and row["holds"] == pytest.approx(holds)
+        assert row["placed"] == pytest.approx({w: placed.get(w, 0.0) for w in PLACEMENTS})
+
+    check("left of", 2, 0.5, left=0.5, above=0.5)
+    check("right of", 1, 0.0, left=1.0)
+    check("above", 1, 1.0, above=1.0)  # two_circles lacks the asked pair: not counted
+    check("below", 2, 0.0, above=0.5, left=0.5)
+    check("horizontal", 3, 1 / 3, left=2 / 3, above=1 / 3)
+    check("vertical", 3, 1 / 3, above=2 / 3, left=1 / 3)
+    # The relations' pictures are binding_chain's "shapes" pictures, and their holds its
+    # "bound" link.
+    ch = binding_chain(pictures, prompts)["position"]
+    n_shapes = ch["found"] * ch["shapes"] * ch["pictures"]
+    assert ra["horizontal"]["pictures"] + ra["vertical"]["pictures"] == pytest.approx(n_shapes)
+    held = sum(ra[k]["holds"] * ra[k]["pictures"] for k in ("horizontal", "vertical"))
+    assert held / n_shapes == pytest.approx(ch["bound"])
+
+
 def _category(prompt: str) -> str:
     from jagg_autograd.tasks.shapes_scenes import parse_prompt
 
@@ -206,6 +258,16 @@ def test_shapes_base_quick(run_benchmark) -> None:
             m["per_category"][cat]["strict_accuracy"]
         )
     assert "| shipped | position |" in md
+    ra = m["relation_anatomy"]
+    assert set(ra) == {"left of", "right of", "above", "below", "horizontal", "vertical"}
+    # The relations' pictures are the chain's "shapes" pictures, their holds its "bound".
+    pos = chain["position"]
+    n_pair = ra["horizontal"]["pictures"] + ra["vertical"]["pictures"]
+    assert n_pair == round(pos["found"] * pos["shapes"] * pos["pictures"])
+    for v in ra.values():
+        if v["pictures"]:
+            assert sum(v["placed"].values()) == pytest.approx(1.0)
+    assert "| shipped | vertical |" in md
 
 
 def test_swapped_prompts_bind_the_other_way() -> None:
