@@ -192,7 +192,7 @@ def binding_chain(detections: list[list[Detection]], prompts: list[str]) -> dict
             continue
         t["found"] += 1
         clauses = clause_results(spec, dets)
-        if not all(v for k, v in clauses.items() if k.startswith("count")):
+        if not _counts_hold(clauses):
             continue
         t["shapes"] += 1
         t["bound"] += all(clauses.values())
@@ -228,7 +228,7 @@ def relation_anatomy(detections: list[list[Detection]], prompts: list[str]) -> d
         if spec.category != "position":
             continue
         clauses = clause_results(spec, dets)
-        if not all(v for k, v in clauses.items() if k.startswith("count")):
+        if not _counts_hold(clauses):
             continue
         (a,) = (d for d in dets if d.shape == spec.groups[0].shape)
         (b,) = (d for d in dets if d.shape == spec.groups[1].shape)
@@ -254,6 +254,12 @@ def relation_anatomy(detections: list[list[Detection]], prompts: list[str]) -> d
             "placed": {w: t[w] / n for w in PLACEMENTS},
         }
     return out
+
+
+def _counts_hold(clauses: dict[str, bool]) -> bool:
+    """Whether every count clause of :func:`clause_results` holds: the asked objects, one
+    group each, are drawn (the chain's ``shapes`` link)."""
+    return all(v for k, v in clauses.items() if k.startswith("count"))
 
 
 def _miss_reason(dets: list[Detection], named: set[str], n_named: int) -> str:
