@@ -117,18 +117,26 @@ def test_render_matches_objects():
             assert relation_holds(spec.relation, (a.cx, a.cy), (b.cx, b.cy))
 
 
-def test_render_reading_order():
+@pytest.mark.parametrize("mode", [True, "horizontal", "2d"])
+def test_render_reading_order(mode):
     """``reading_order`` relabels the same placements so that a relation-free prompt's
-    objects run left to right in caption order; other prompts draw exactly as without it."""
+    objects run in caption order -- left to right, or for "2d" top to bottom when the pair
+    is stacked -- and other prompts draw exactly as without it."""
     prompts = all_prompts("two_object") + all_prompts("color_attr")[::9]
+    stacked = 0
     for seed in range(4):
         for p in prompts:
             plain_img, plain = render_prompt(p, np.random.default_rng(seed))
-            img, objs = render_prompt(p, np.random.default_rng(seed), reading_order=True)
+            img, objs = render_prompt(p, np.random.default_rng(seed), reading_order=mode)
             spec = parse_prompt(p)
             assert [o.shape for o in objs] == [g.shape for g in spec.groups]
             assert all(g.color in (None, o.color) for o, g in zip(objs, spec.groups, strict=True))
-            assert [o.cx for o in objs] == sorted(o.cx for o in objs)
+            a, b = objs
+            if mode == "2d" and abs(b.cy - a.cy) > abs(b.cx - a.cx):
+                stacked += 1
+                assert a.cy < b.cy  # first named on top
+            else:
+                assert a.cx <= b.cx  # first named on the left
             # the boxes are the plain placement's, so non-overlap and bounds carry over
             assert sorted((o.cx, o.cy, o.size) for o in objs) == sorted(
                 (o.cx, o.cy, o.size) for o in plain
@@ -139,15 +147,30 @@ def test_render_reading_order():
     changed = [
         not np.array_equal(
             render_prompt(p, np.random.default_rng(i))[0],
-            render_prompt(p, np.random.default_rng(i), reading_order=True)[0],
+            render_prompt(p, np.random.default_rng(i), reading_order=mode)[0],
         )
         for i, p in enumerate(prompts)
     ]
     assert 0 < sum(changed) < len(changed)
+    # the vertical branch of "2d" is exercised (52 % of these placements are stacked)
+    assert (stacked > 0) == (mode == "2d")
     # ... and leaves prompts with a relation or a single group alone
     others = all_prompts("position") + all_prompts("counting") + all_prompts("colors")
     a = render_batch(others, seed=5)
-    assert torch.equal(a, render_batch(others, seed=5, reading_order=True))
+    assert torch.equal(a, render_batch(others, seed=5, reading_order=mode))
+
+
+def test_render_reading_order_modes_differ_and_bad_values():
+    # "2d" differs from the horizontal rule exactly on stacked pairs; True is "horizontal".
+    prompts = all_prompts("two_object")
+    h = render_batch(prompts * 4, seed=3, reading_order="horizontal")
+    assert torch.equal(h, render_batch(prompts * 4, seed=3, reading_order=True))
+    assert not torch.equal(h, render_batch(prompts * 4, seed=3, reading_order="2d"))
+    for bad in ("vertical", 1, "2D"):
+        with pytest.raises(ValueError, match="reading_order"):
+            render_prompt(prompts[0], np.random.default_rng(0), reading_order=bad)
+        with pytest.raises(ValueError, match="reading_order"):
+            render_batch(prompts, seed=0, reading_order=bad)
 
 
 def test_render_objects_shapes_and_errors():

@@ -356,25 +356,59 @@ def _place(
     raise RuntimeError("could not place the objects (this should not happen)")  # pragma: no cover
 
 
+READING_ORDERS = ("horizontal", "2d")
+
+
+def _reading_order_mode(reading_order: bool | str | None) -> str | None:
+    # True is the horizontal rule: the meta files of models trained before "2d" existed
+    # record ``"reading_order": true``.
+    if reading_order is None or reading_order is False:
+        return None
+    if reading_order is True:
+        return "horizontal"
+    if isinstance(reading_order, str) and reading_order in READING_ORDERS:
+        return reading_order
+    raise ValueError(
+        f"reading_order must be a bool, None or one of {READING_ORDERS}, got {reading_order!r}"
+    )
+
+
+def _reading_order_boxes(placed: list[SceneObject], mode: str) -> list[SceneObject]:
+    # The order in which a caption names the objects of a picture.  "horizontal": left to
+    # right.  "2d": a pair that is stacked (farther apart vertically than horizontally) is
+    # read top to bottom, any other pair left to right -- the vertical half of what the
+    # horizontal rule teaches (benchmarks.shapes_base's relation anatomy: a model trained
+    # with the horizontal rule stacks "above" pairs in either order).
+    if mode == "2d" and len(placed) == 2:
+        a, b = placed
+        if abs(b.cy - a.cy) > abs(b.cx - a.cx):
+            return sorted(placed, key=lambda o: (o.cy, o.cx))
+    return sorted(placed, key=lambda o: (o.cx, o.cy))
+
+
 def _scene_objects(
-    spec: PromptSpec, rng: np.random.Generator, reading_order: bool = False
+    spec: PromptSpec, rng: np.random.Generator, reading_order: bool | str | None = False
 ) -> list[SceneObject]:
+    mode = _reading_order_mode(reading_order)
     colors = list(COLORS)
     items: list[tuple[str, str]] = []
     for g in spec.groups:
         for _ in range(g.count):
             items.append((g.shape, g.color if g.color is not None else str(rng.choice(colors))))
     placed = _place(items, rng, spec.relation)
-    if reading_order and spec.relation is None and len(spec.groups) > 1:
+    if mode is not None and spec.relation is None and len(spec.groups) > 1:
         # The placed boxes (centre and size) stay where they are; the objects move into them
-        # from left to right in the caption's order, so the layout stays non-overlapping.
-        boxes = sorted(placed, key=lambda o: (o.cx, o.cy))
+        # in the caption's order, so the layout stays non-overlapping.
+        boxes = _reading_order_boxes(placed, mode)
         placed = [SceneObject(o.shape, o.color, b.cx, b.cy, b.size) for o, b in zip(placed, boxes)]
     return placed
 
 
 def render_prompt(
-    prompt: str | PromptSpec, rng: np.random.Generator, *, reading_order: bool = False
+    prompt: str | PromptSpec,
+    rng: np.random.Generator,
+    *,
+    reading_order: bool | str | None = False,
 ) -> tuple[np.ndarray, list[SceneObject]]:
     """A random clean picture of ``prompt``: ``((32, 32, 3) uint8, objects)``.
 
@@ -383,28 +417,35 @@ def render_prompt(
     placements; a ``position`` prompt's relation holds with a margin.
 
     ``reading_order``: a prompt naming different objects without a relation (``two_object``,
-    ``color_attr``) puts them left to right in the order it names them, as captions that
-    describe a picture from left to right do (the same placements, relabelled; nothing
-    else changes).  The reward never asks for it: it only makes the pre-training data tie
-    each named object to a side of the picture.
+    ``color_attr``) puts them in the order it names them, as captions that describe a
+    picture in reading order do (the same placements, relabelled; nothing else changes):
+    ``True`` / ``"horizontal"`` left to right; ``"2d"`` top to bottom when the two objects
+    are stacked (vertical offset larger than the horizontal one), else left to right.
+    ``False`` / ``None``: no rule.  The reward never asks for it: it only makes the
+    pre-training data tie each named object to a side of the picture.
     """
     spec = parse_prompt(prompt) if isinstance(prompt, str) else prompt
     if not isinstance(spec, PromptSpec):
         raise TypeError(f"prompt must be a str or PromptSpec, got {type(prompt).__name__}")
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy Generator, got {type(rng).__name__}")
+    _reading_order_mode(reading_order)  # a bad value fails before any drawing
     objects = _scene_objects(spec, rng, reading_order)
     return render_objects(objects), objects
 
 
 def render_batch(
-    prompts: Sequence[str], seed: int | np.random.Generator, *, reading_order: bool = False
+    prompts: Sequence[str],
+    seed: int | np.random.Generator,
+    *,
+    reading_order: bool | str | None = False,
 ) -> torch.Tensor:
     """Clean pictures of ``prompts`` as float32 ``(N, 3, 32, 32)`` in ``[-1, 1]``.
 
     Deterministic in ``seed`` (one numpy generator, drawn in prompt order; a Generator is
     used as it is and advanced).  ``reading_order``: as in :func:`render_prompt`.
     """
+    _reading_order_mode(reading_order)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     imgs = (
         np.stack([render_prompt(p, rng, reading_order=reading_order)[0] for p in prompts])
