@@ -161,7 +161,7 @@ def test_render_reading_order(mode):
 
 
 def test_render_reading_order_modes_differ_and_bad_values():
-    # "2d" differs from the horizontal rule exactly on stacked pairs; True is "horizontal".
+    # True is "horizontal"; "2d" is another rule (where, test_render_reading_order checks).
     prompts = all_prompts("two_object")
     h = render_batch(prompts * 4, seed=3, reading_order="horizontal")
     assert torch.equal(h, render_batch(prompts * 4, seed=3, reading_order=True))

@@ -387,9 +387,9 @@ def _reading_order_boxes(placed: list[SceneObject], mode: str) -> list[SceneObje
 
 
 def _scene_objects(
-    spec: PromptSpec, rng: np.random.Generator, reading_order: bool | str | None = False
+    spec: PromptSpec, rng: np.random.Generator, mode: str | None
 ) -> list[SceneObject]:
-    mode = _reading_order_mode(reading_order)
+    # ``mode``: the reading order, already checked (:func:`_reading_order_mode`).
     colors = list(COLORS)
     items: list[tuple[str, str]] = []
     for g in spec.groups:
@@ -429,8 +429,8 @@ def render_prompt(
         raise TypeError(f"prompt must be a str or PromptSpec, got {type(prompt).__name__}")
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy Generator, got {type(rng).__name__}")
-    _reading_order_mode(reading_order)  # a bad value fails before any drawing
-    objects = _scene_objects(spec, rng, reading_order)
+    mode = _reading_order_mode(reading_order)  # a bad value fails before any drawing
+    objects = _scene_objects(spec, rng, mode)
     return render_objects(objects), objects
 
 
@@ -445,7 +445,7 @@ def render_batch(
     Deterministic in ``seed`` (one numpy generator, drawn in prompt order; a Generator is
     used as it is and advanced).  ``reading_order``: as in :func:`render_prompt`.
     """
-    _reading_order_mode(reading_order)
+    _reading_order_mode(reading_order)  # fails for an empty batch too
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     imgs = (
         np.stack([render_prompt(p, rng, reading_order=reading_order)[0] for p in prompts])
