@@ -76,7 +76,7 @@ from jagg_autograd.tasks.shapes import ShapesTask
 # Every JAGG-related setting spelt out (the trainer's defaults are set FROM this study).
 _PLAIN = {"window": 4, "shared_anchors": True, "reuse_values": False, "deferred": False,
           "placement": "uniform", "budget": None, "optimizer_steps_per_rollout": 1,
-          "fold": "linear"}  # fmt: skip
+          "fold": "linear", "guard_ratio": None}  # fmt: skip
 _VD = {"mode": "jagg", "reuse_values": True, "deferred": True}
 _FG2 = {"optimizer_steps_per_rollout": 2}
 
@@ -87,6 +87,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {**_PLAIN, "mode": "router", "threshold": 0.7, "jagg_frac": None},
     "uniform": {**_PLAIN, **_VD},
     "uniform_causal": {**_PLAIN, **_VD, "fold": "causal"},
+    # The trainer's default since the runaway guard (jagg_autograd.runaway_guard): uniform
+    # until the gradient norm's rolling median passes 1.5x its start, then the causal fold
+    # (then exact).  Every other variant runs unguarded, as the studies measured them.
+    "uniform_guard": {**_PLAIN, **_VD, "guard_ratio": 1.5, "guard_window": 10},
     # The causal fold with window 4 kept where a study's settings set another (shapes: 3
     # anchors of its 5 trained steps, causal_layout's 0, 2, 4, where the study's window 5
     # gives 2); "pin" holds the settings the study's own do not override.
@@ -123,7 +127,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # reward equals exact's, +0.02 %, at 0.46 of the training time) and the candidate the
 # issue proposed (adaptive placement, budget 4: -2.5 % on digits); targets for both.
 DEFAULT = "uniform"
-CANDIDATES = (DEFAULT, "adaptive_b4")
+CANDIDATES = (DEFAULT, "uniform_guard", "adaptive_b4")
 FG2 = [n for n in VARIANTS if n.endswith("_fg2")]
 # compared with each other on reward vs wall-clock
 NFTS = ("nft", "nft9", "nft9_jagg", "nft9_jagg_b4", "nft9_shared")
@@ -191,7 +195,8 @@ COSTS: dict[str, dict[str, Any]] = {
     "digits": {
         "step": {
             "exact": (0.070, 0.186), "eager": (0.072, 0.109), "uniform": (0.078, 0.084),
-            # not measured: uniform's
+            # not measured: uniform's (uniform_guard: uniform's until its guard trips)
+            "uniform_guard": (0.078, 0.084),
             "uniform_causal": (0.078, 0.084), "uniform_causal_w4": (0.078, 0.084),
             "router": (0.078, 0.090),
             "adaptive_b3": (0.071, 0.067), "adaptive_b4": (0.070, 0.086),
@@ -212,6 +217,7 @@ COSTS: dict[str, dict[str, Any]] = {
     "shapes": {
         "step": {
             "exact": (1.20, 3.10), "eager": (1.19, 2.15), "uniform": (1.12, 1.38),
+            "uniform_guard": (1.12, 1.38),  # not measured: uniform's until its guard trips
             "adaptive_b4": (1.14, 1.30), "subsample_4": (1.11, 1.17),
             "adaptive_b2": (1.14, 1.30),  # not measured: adaptive_b4's
             # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
@@ -236,8 +242,8 @@ TARGET_TRAIN_RATIO = 0.45
 TARGET_STEP_RATIO = 0.64
 TARGET_COSINE = 0.97  # the second edition's target (per-batch cosine: shown, not a target)
 TARGET_SHARE = 0.03  # issue 18: systematic share of every JAGG placement along the run
-JAGG_PLACEMENTS = ("uniform", "uniform_causal", "adaptive_b3", "adaptive_b4", "adaptive_b5",
-                   "router")  # fmt: skip
+JAGG_PLACEMENTS = ("uniform", "uniform_guard", "uniform_causal", "adaptive_b3", "adaptive_b4",
+                   "adaptive_b5", "router")  # fmt: skip
 
 
 def reference(name: str, names: Sequence[str]) -> str:
@@ -398,13 +404,19 @@ def _config_defaults() -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(GRPOConfig())))
 
 
+# Config fields added with a default that changes what a run does, and the value that
+# keeps what the runs logged before them did: a run without the key ran with this value.
+_BEFORE_FIELD = {"guard_ratio": None}
+
+
 def _same_config(saved: Any, want: dict[str, Any]) -> bool:
     """``saved == want``, except that a key the saved config lacks matches when ``want``
-    has the field's default: a config field added after the run (at its default, which
-    keeps the behaviour the run had) does not make a finished run train again."""
+    has the value the run had without it: the field's default (a field added later whose
+    default keeps the behaviour) or its :data:`_BEFORE_FIELD` value.  Such a field does not
+    make a finished run train again."""
     if not isinstance(saved, dict):
         return False
-    defaults = _config_defaults()
+    defaults = {**_config_defaults(), **_BEFORE_FIELD}
     missing = want.keys() - saved.keys()
     return all(k in defaults and want[k] == defaults[k] for k in missing) and saved == {
         k: v for k, v in want.items() if k not in missing}  # fmt: skip
@@ -479,6 +491,17 @@ PROBE_CURVES = {
 CATEGORIES = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
 
+def _guard_words(name: str, a: dict[str, Any]) -> str:
+    """Where a variant's runaway guard switched estimators, seed by seed."""
+    words = []
+    for seed, events in zip(a["seeds"], a["guard"]):
+        if not events:
+            words.append(f"seed {seed}: no switch")
+        for step, to in events:
+            words.append(f"seed {seed}: after step {step} to {to}")
+    return f"{name} ({', '.join(words)})"
+
+
 def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
     """The figures of one run that the study aggregates, and its curves."""
     rows = log["steps"]
@@ -520,6 +543,8 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
         "anchor_frac": _mean([r.get("anchor_frac", math.nan) for r in rows]),
         "routed_frac": _mean([r.get("routed_frac", math.nan) for r in rows]),
         "plan_frac": sum(plan) / train_s if plan and train_s > 0 else math.nan,
+        # The runaway guard's switches (jagg_autograd.runaway_guard): (step, estimator after)
+        "guard": [[e["step"], e["to"]] for e in log.get("guard", [])],
         "categories": {
             "initial": {k: evals[0][k] for k in CATEGORIES if k in evals[0]},
             "final": {k: evals[-1][k] for k in CATEGORIES if k in evals[-1]},
@@ -635,6 +660,7 @@ def aggregate(
                 when: {k: mean_std([c[when].get(k) for c in cats]) for k in cats[0][when]}
                 for when in ("initial", "final")
             }
+        agg["guard"] = [r.get("guard", []) for r in runs]  # per seed
         agg["seeds"] = seeds
         out[n] = agg
     return out
@@ -920,6 +946,10 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
                   "reference (added with `--resume`): the time ratios and the wall-clock "
                   "margin divide times from two processes (another load, possibly another "
                   "machine); `python -m benchmarks.train_phase` times them together."]  # fmt: skip
+    guarded = [n for n in agg if any(agg[n].get("guard") or [])]
+    if guarded:
+        lines += ["", "Runaway guard (`jagg_autograd.runaway_guard`): "
+                  + "; ".join(_guard_words(n, agg[n]) for n in guarded) + "."]  # fmt: skip
     fg = [n for n in agg if "train_seconds_ratio_vs_exact" in agg[n]]
     if fg:
         lines += ["", "Flow-GRPO structure against one optimizer step per rollout's exact: "

@@ -98,6 +98,20 @@ def test_per_seed_summary_of_a_hand_made_log():
     assert s["categories_strict"] == {"initial": {"counting": 0.0}, "final": {"counting": 0.5}}
     assert s["curves"]["probe_step"] == [0, 2]
     assert math.isnan(per_seed_summary(_log([0.5, 0.7, 0.8], [0, 2, 4], 4.0))["plan_frac"])
+    assert s["guard"] == []  # no runaway-guard switch logged
+
+
+def test_the_runaway_guards_switches_reach_the_report():
+    from benchmarks.quality import _guard_words
+
+    log = _log([0.5, 0.7, 0.8], [0, 2, 4], 4.0)
+    log["guard"] = [{"step": 98, "ratio": 1.6, "to": "jagg, causal fold", "from": "jagg"}]
+    switched = per_seed_summary(log)
+    assert switched["guard"] == [[98, "jagg, causal fold"]]
+    a = {"seeds": [0, 1], "guard": [switched["guard"], []]}
+    assert _guard_words("uniform_guard", a) == (
+        "uniform_guard (seed 0: after step 98 to jagg, causal fold, seed 1: no switch)"
+    )
 
 
 def _runs(final, walls, train_s, cos=(0.98, 0.98), shares=None) -> dict:
@@ -416,3 +430,18 @@ def test_pinned_variant_settings_survive_the_study_settings():
     assert variant_config("uniform_causal", 0, "shapes", study).window == 5
     assert variant_config("uniform_causal_w4", 0, "shapes", study).window == 4
     assert "pin" not in variant_config("uniform_causal_w4", 0, "shapes", study).resolved()
+
+
+def test_runs_logged_before_the_runaway_guard_keep_their_meaning():
+    """A run logged before ``guard_ratio`` existed ran unguarded: it still counts as the
+    unguarded "uniform" run, never as "uniform_guard" (the trainer's default since)."""
+    from benchmarks.quality import _same_config
+
+    study = studies_for(["shapes"], quick=True)["shapes"]
+    plain = variant_config("uniform", 0, "shapes", study).resolved()
+    guarded = variant_config("uniform_guard", 0, "shapes", study).resolved()
+    assert plain["guard_ratio"] is None and guarded["guard_ratio"] == 1.5
+    old = {k: v for k, v in plain.items() if k not in ("guard_ratio", "guard_window")}
+    assert _same_config(old, plain)
+    assert not _same_config(old, guarded)
+    assert not _same_config({**old, "guard_ratio": 1.5, "guard_window": 10}, plain)

@@ -18,6 +18,8 @@ def test_readme_python_example_runs(capsys):
     assert "[0, 3, 6, 9] 1 16" in out
     # the deferred adaptive example: round(4 * B) anchor pairs, each run once with grad
     assert "\n16 16\n" in out
+    # the runaway guard's loop: a converging toy never trips it
+    assert "runaway guard: linear" in out
     # the gradient_fidelity example prints its report
     assert "cosine(jagg, exact)" in out and "routed CosineRouter" in out
 

@@ -57,8 +57,12 @@ def _run(out: Path, *args: str) -> int:
         # Evaluations at the EMA of the weights (its average and step count restored), and
         # Flow-GRPO's global-std advantages.
         ["--ema-decay", "0.5", "--ema-every", "1", "--global-std", "--eval-every", "1"],
+        # The runaway guard trips at step 2, after the resume, on a baseline of steps 0-1
+        # that only the replayed log gives it; then the causal fold trains step 3.
+        ["--beta", "0.01", "--optimizer-steps-per-rollout", "2", "--guard-ratio", "1.000001",
+         "--guard-window", "2"],
     ],
-    ids=["full-beta-probe", "lora-exact-random", "ema-global-std"],
+    ids=["full-beta-probe", "lora-exact-random", "ema-global-std", "guard-trips-after-resume"],
 )  # fmt: skip
 def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -73,6 +77,8 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, extra):
     assert got["resumed_from"][0]["step"] == 2
     assert [_no_time(r) for r in want["steps"]] == [_no_time(r) for r in got["steps"]]
     assert [_no_time(e) for e in want["evals"]] == [_no_time(e) for e in got["evals"]]
+    if "--guard-ratio" in extra:
+        assert [e["step"] for e in want["guard"]] == [2] and got["guard"] == want["guard"]
     every = int(extra[extra.index("--eval-every") + 1]) if "--eval-every" in extra else 4
     assert [e["step"] for e in got["evals"]] == list(range(0, 5, every))
     # The timing totals continue the first run's.

@@ -8,6 +8,7 @@ from jagg_autograd.bias import BiasReport, bias_statistics, gradient_bias
 from jagg_autograd.diagnostics import FidelityReport, gradient_fidelity
 from jagg_autograd.mix import jagg_mix, jagg_mix_ref
 from jagg_autograd.router import CosineRouter, cosine_route, cosine_route_ref
+from jagg_autograd.runaway_guard import RunawayGuard
 from jagg_autograd.window import (
     JaggStats,
     causal_layout,
@@ -24,6 +25,7 @@ __all__ = [
     "CosineRouter",
     "FidelityReport",
     "JaggStats",
+    "RunawayGuard",
     "bias_statistics",
     "causal_layout",
     "cosine_route",

@@ -93,6 +93,12 @@ class GRPOConfig:
       causal fold -3.03 %, the router +0.19 %: see
       ``benchmarks/results/quality3/QUALITY.md``.
 
+    * the runaway guard on (``guard_ratio=1.5``, ``guard_window=10``,
+      :mod:`jagg_autograd.runaway_guard`): replayed on every logged run (``python -m
+      benchmarks.guard_scan``) it never trips on digits (largest ratio 1.49) nor on the
+      shapes demo's 100 steps, and trips on the shapes runs whose linear fold ran away
+      (22 of 44, steps 62-148), switching them to the causal fold.
+
     Every field's help is in its metadata (``dataclasses.fields(GRPOConfig)``, or
     ``jagg-demo --help``).
     """
@@ -171,6 +177,17 @@ class GRPOConfig:
                    "the steps, timestep_fraction < 1, with uniform placement and no router, the "
                    "window layout's anchor count placed by causal_layout)",
                    choices=FOLDS)  # fmt: skip
+    guard_ratio: float | None = _f(1.5, "gradient", "runaway guard "
+                                   "(jagg_autograd.runaway_guard): when the median "
+                                   "gradient norm of the last guard_window GRPO steps "
+                                   "exceeds guard_ratio x its median over the estimator's "
+                                   "first guard_window, the run falls back to a safer "
+                                   "estimator (jagg / router: linear fold -> causal fold -> "
+                                   "exact), logs it in log['guard'] and warns; exact, "
+                                   "subsample, mixgrpo and nft have no fallback (None or "
+                                   "<= 0 on the command line: off)")  # fmt: skip
+    guard_window: int = _f(10, "gradient", "GRPO steps of the runaway guard's baseline and "
+                           "of its rolling median")  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
                               "(None: the uniform count)")  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
@@ -314,6 +331,15 @@ class GRPOConfig:
                 "exact GRPO gradient, which this estimator does not estimate)"
             )
         est.check()
+        over = est.fallback() if self.guard_ratio is not None else None
+        if over is not None:  # the runaway guard's fallback must run too: checked now
+            try:
+                dataclasses.replace(self, **over).validate(task)
+            except ValueError as exc:
+                raise ValueError(
+                    f"guard_ratio: the runaway guard's fallback of mode={self.mode!r} "
+                    f"({over}) cannot run with this config ({exc}); set guard_ratio=None"
+                ) from exc
 
     def _check_task(self, task: GRPOTask | None) -> None:
         source = task if task is not None else task_factory(self.task)
@@ -374,7 +400,7 @@ def _optional(ok: Callable[[Any, GRPOConfig], bool]) -> Callable[[Any, GRPOConfi
 _FIELD_META = {f.name: f.metadata for f in dataclasses.fields(GRPOConfig)}
 _POS_INT = ("steps", "prompts_per_step", "group_size", "num_steps", "optimizer_steps_per_rollout",
             "gradient_accumulation_steps", "num_inner_epochs", "lora_rank",
-            "ema_every")  # fmt: skip
+            "ema_every", "guard_window")  # fmt: skip
 _CHOICES = ("eval_sampler", "mode", "schedule", "batching", "tuning", "precision", "placement",
             "timestep_selection", "sde_type", "nft_noise", "nft_gradient",
             "report_to", "fold", "lr_scheduler_type")  # fmt: skip
@@ -406,6 +432,8 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
      "a finite number >= 0"),
     (("threshold",), lambda v, c: _is_real(v), "a finite number"),
     (("max_grad_norm",), _optional(lambda v, c: _is_real(v) and v > 0), "None or > 0"),
+    (("guard_ratio",), _optional(lambda v, c: _is_real(v) and v > 1), "None or a finite number "
+     "> 1 (the norm's rise that trips the runaway guard)"),
     (("ema_decay",), lambda v, c: _is_real(v) and 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     (("timestep_fraction",), lambda v, c: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
     (("nft_beta",), lambda v, c: _is_real(v) and v > 0, "a finite number > 0"),

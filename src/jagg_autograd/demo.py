@@ -150,9 +150,10 @@ def _task_demo_defaults(name: str) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """A validated :class:`GRPOConfig` from parsed arguments (``ValueError`` if bad)."""
     values = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
-    mgn = values.get("max_grad_norm")
-    if mgn is not None and math.isfinite(mgn) and mgn <= 0:
-        values["max_grad_norm"] = None
+    for name in ("max_grad_norm", "guard_ratio"):  # <= 0 on the command line: off
+        v = values.get(name)
+        if v is not None and math.isfinite(v) and v <= 0:
+            values[name] = None
     cfg = GRPOConfig(**values)
     cfg.validate()
     if cfg.tuning == "lora" and importlib.util.find_spec("peft") is None:

@@ -348,6 +348,11 @@ def summarize(log: dict[str, Any]) -> str:
             f" Mean model samples with grad per step "
             f"{sum(r['grad_samples'] for r in rows) / n:.0f}."
         )
+    for ev in log.get("guard", []):
+        txt += (
+            f" The runaway guard switched {ev['from']} to {ev['to']} after step {ev['step']} "
+            f"(gradient norm {ev['ratio']:.2f}x its start)."
+        )
     probes = [r["probe_cosine"] for r in rows if "probe_cosine" in r]
     if probes:
         txt += (

@@ -18,9 +18,12 @@ step (:meth:`~GRPOTrainer.train_step`), with Flow-GRPO's names:
 
 A held-out evaluation every ``eval_every`` steps (fixed noise never used in training) and
 a gradient :meth:`~GRPOTrainer.probe` every ``probe_every`` steps touch neither the
-training noise stream nor the timings.  The log, its files and the summary are
-:mod:`jagg_autograd.runlog`'s.  A non-finite loss or gradient norm stops the run with a
-:class:`TrainingDivergedError` naming the step, before the optimizer step.
+training noise stream nor the timings.  The runaway guard
+(:mod:`jagg_autograd.runaway_guard`, ``guard_ratio``) watches each step's gradient norm and,
+when it runs away, switches the run to the estimator's fallback (``log["guard"]``).  The
+log, its files and the summary are :mod:`jagg_autograd.runlog`'s.  A non-finite loss or
+gradient norm stops the run with a :class:`TrainingDivergedError` naming the step, before
+the optimizer step.
 
 Checkpoints, exact resume and stopping: :mod:`jagg_autograd.trainer_checkpoints`;
 several processes (``torchrun`` / ``accelerate launch``):
@@ -81,6 +84,7 @@ from jagg_autograd.runlog import RunLog, StepStats, summarize
 from jagg_autograd.tasks import GRPOTask, get_task, task_factory
 from jagg_autograd.tracking import make_tracker
 from jagg_autograd.trainer_checkpoints import CheckpointMixin, saved_config, stop_on_signals
+from jagg_autograd.trainer_guard import GuardMixin
 from jagg_autograd.trainer_measure import MeasurementMixin
 from jagg_autograd.trainer_parallel import check_world_size, dist_device, reduce_row
 
@@ -138,7 +142,7 @@ class RolloutBatch:
     local_rep: list[Any] | None = None  # this rank's samples' prompts (None: all of rep)
 
 
-class GRPOTrainer(MeasurementMixin, CheckpointMixin):
+class GRPOTrainer(MeasurementMixin, CheckpointMixin, GuardMixin):
     """Online GRPO on a task, one :meth:`step` at a time.
 
     ``GRPOTrainer(config, task=None)``: ``task`` is a :class:`~jagg_autograd.tasks.GRPOTask`,
@@ -198,6 +202,7 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
             self._build(task_obj)
             if self._resume_path is not None:
                 self._resume()
+                self._restore_guard()
             elif config.eval_per_digit:
                 self._record_eval()
         except BaseException as exc:  # the log on disk must not stay "running"
@@ -230,6 +235,7 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
         self.ema = (ParamEMA(self.params, config.ema_decay, config.ema_every)
                     if config.ema_decay > 0 else None)  # fmt: skip
         self.estimator = config.estimator()
+        self.guard = self._new_guard()
         self.sigmas = sigma_schedule(config)
         # Disjoint from the training noise stream.
         self.eval_seed = config.seed + 10_000 if config.eval_seed is None else config.eval_seed
@@ -432,6 +438,7 @@ class GRPOTrainer(MeasurementMixin, CheckpointMixin):
             row["peak_saved_bytes"] = int(row["peak_saved_bytes"])
         row["step"] = self.step_index
         row.update(probe)
+        self._watch(row)  # may switch the estimator for the next step
         self.step_index += 1
         self.rollout_seconds += row["rollout_seconds"]
         self.train_seconds += row["train_seconds"]

@@ -6,7 +6,8 @@ runs: which steps a sample trains (:meth:`Estimator.num_train_steps`,
 whether the rollout's reference means are needed (``needs_logprob_reference``), whether
 the gradient probe applies (``supports_probe``), the loss of one minibatch
 (:meth:`Estimator.loss`, returning a typed :class:`MinibatchResult`), its own checks of the
-config (:meth:`Estimator.check`) and its description in the run summary
+config (:meth:`Estimator.check`), the safer estimator the runaway guard falls back to
+(:meth:`Estimator.fallback`) and its description in the run summary
 (:meth:`Estimator.describe`).
 
 An estimator object is built once per trainer (``Estimator(config)``) and may keep state
@@ -182,6 +183,12 @@ class Estimator:
 
     def resolve(self, d: dict[str, Any]) -> None:
         """Adjust the logged config ``d`` to what the run really does (in place)."""
+
+    def fallback(self) -> dict[str, Any] | None:
+        """The config changes of the estimator a run switches to when this one's gradient
+        runs away (:mod:`jagg_autograd.runaway_guard`), or None: nothing safer to fall back to (the
+        exact-per-step estimators; the guard is then off)."""
+        return None
 
     @classmethod
     def describe(cls, cfg: dict[str, Any]) -> str:
