@@ -89,7 +89,8 @@ def report(groups: dict[tuple[str, str, str], list[dict]], ratio: float, window:
         span = f"{trips[0]}-{trips[-1]}" if trips else "-"
         lines.append(
             f"| {task} | {mode} | {fold} | {len(runs)} | {len(trips)} | {span} | "
-            + ", ".join(f"{w:.2f}" for w in worst) + " |"
+            + ", ".join(f"{w:.2f}" for w in worst)
+            + " |"
         )
     switched = [r["where"] for runs in groups.values() for r in runs if r["switched"]]
     if switched:

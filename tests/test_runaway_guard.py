@@ -25,16 +25,17 @@ from jagg_autograd.trainer import GRPOTrainer
 
 
 def _oracle(norms: list[float], ratio: float, window: int) -> tuple[list[float | None], int | None]:
-    """Each step's ratio (median of the last ``window`` over the first ``window``) and the
-    first step whose ratio exceeds ``ratio``, from numpy."""
+    """Each step's ratio (median of the last ``window`` over the first ``window`` positive
+    ones) and the first step whose ratio exceeds ``ratio``, from numpy."""
     out: list[float | None] = []
     trip = None
+    positive = [i for i, g in enumerate(norms) if g > 0]
     for i in range(len(norms)):
-        if i + 1 < window:
+        if len(positive) < window or i < positive[window - 1]:
             out.append(None)
             continue
-        base = float(np.median(norms[:window]))
-        r = float(np.median(norms[i + 1 - window : i + 1])) / base
+        base = float(np.median([norms[j] for j in positive[:window]]))
+        r = float(np.median(norms[max(0, i + 1 - window) : i + 1])) / base
         out.append(r)
         if trip is None and r > ratio:
             trip = i
@@ -42,7 +43,7 @@ def _oracle(norms: list[float], ratio: float, window: int) -> tuple[list[float |
 
 
 @given(
-    norms=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=40),
+    norms=st.lists(st.one_of(st.just(0.0), st.floats(0.01, 10.0)), min_size=1, max_size=40),
     ratio=st.floats(1.01, 3.0),
     window=st.integers(1, 7),
 )
@@ -81,10 +82,13 @@ def test_replay_equals_observing():
     assert b.replay(norms) == last and (a.tripped, a.baseline) == (b.tripped, b.baseline)
 
 
-def test_zero_baseline_never_trips():
+def test_zero_norms_do_not_fill_the_baseline():
+    """Steps whose advantages were all 0 (a zero gradient) say nothing of the norm's scale:
+    the baseline waits for positive norms, then the guard works as usual."""
     guard = RunawayGuard(1.5, 2)
-    assert [guard.observe(g) for g in [0.0, 0.0, 5.0, 5.0]] == [None, None, None, None]
-    assert not guard.tripped
+    assert [guard.observe(g) for g in [0.0, 0.0, 5.0, 5.0]] == [None, None, None, 1.0]
+    assert guard.baseline == 5.0 and not guard.tripped
+    assert guard.observe(20.0) == pytest.approx(2.5) and guard.tripped
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5, float("nan"), float("inf"), True, "2"])
@@ -239,8 +243,11 @@ def test_guard_scan_replays_the_trainers_rule(tmp_path, capsys):
     rising = [1.0] * 20 + [3.0] * 20
     cfg = {"task": "shapes", "mode": "jagg", "fold": "linear"}
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "log.json").write_text(json.dumps(
-        {"config": cfg, "steps": [{"grad_norm": g} for g in rising], "guard": [{"step": 25}]}))
+    (tmp_path / "a" / "log.json").write_text(
+        json.dumps(
+            {"config": cfg, "steps": [{"grad_norm": g} for g in rising], "guard": [{"step": 25}]}
+        )
+    )
     (tmp_path / "study.json").write_text(json.dumps({
         "exact": {"config": {**cfg, "mode": "exact"}, "steps": [{"grad_norm": g} for g in flat]},
         "short": {"config": cfg, "steps": [{"grad_norm": 1.0}] * 5},
@@ -257,3 +264,24 @@ def test_guard_scan_replays_the_trainers_rule(tmp_path, capsys):
     assert "| shapes | jagg | linear | 1 | 1 | 24-24 | 3.00 |" in text
     assert "| shapes | exact | linear | 1 | 0 | - |" in text
     assert (tmp_path / "scan.md").read_text().strip() == text.strip()
+
+
+def test_resume_replays_the_logged_switch_not_a_new_fallback(tmp_path):
+    """A resume applies the logged switch's changes: resumed with ``fold="causal"`` (a
+    setting a resume may change) after a logged linear -> causal switch, the run goes on
+    with the causal fold and a guard for it, not with the causal fold's own fallback."""
+    out = tmp_path / "run"
+    cfg = GRPOConfig(**TINY, steps=2, guard_ratio=1.000001, guard_window=1, save_every=2,
+                     out=str(out))  # fmt: skip
+    trainer = GRPOTrainer(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(cfg.steps):
+            trainer.step()
+    log = trainer.finish()
+    assert [e["changes"] for e in log["guard"]] == [{"fold": "causal"}]
+    for fold in ("linear", "causal"):
+        resumed = GRPOTrainer(dataclasses.replace(cfg, steps=4, fold=fold, resume_from="latest"))
+        est = resumed.estimator.config
+        assert (est.mode, est.fold) == ("jagg", "causal")
+        assert isinstance(resumed.guard, RunawayGuard)  # watching the causal fold now

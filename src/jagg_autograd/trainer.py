@@ -515,8 +515,10 @@ def train(
     ``steps`` (one row per GRPO step, :meth:`jagg_autograd.runlog.StepStats.row` and
     ``lr``, the rate of the step's last optimizer step; probe
     steps add ``probe_cosine`` / ``probe_rel_error``, ``track_memory`` adds
-    ``peak_saved_bytes``), ``evals`` (held-out evaluations, the first before training and
-    the last after: ``step``, ``mean_reward``, the task's breakdown, ``wall_seconds``),
+    ``peak_saved_bytes``, the runaway guard ``guard_norm_ratio``), ``guard`` (the runaway
+    guard's switches, if any: ``step``, ``ratio``, ``from``, ``to``, ``changes``),
+    ``evals`` (held-out evaluations, the first before training and the last after:
+    ``step``, ``mean_reward``, the task's breakdown, ``wall_seconds``),
     ``eval`` (``initial`` / ``final``), ``total_seconds``, ``rollout_seconds``,
     ``train_seconds``, ``summary``, ``out``.
 

@@ -31,11 +31,12 @@ class GuardMixin:
             return None
         return RunawayGuard(c.guard_ratio, c.guard_window)
 
-    def _switch_estimator(self) -> dict[str, Any]:
-        """Replace the estimator by its fallback (and the guard by a fresh one); returns
-        the config changes."""
-        changes = self.estimator.fallback()
-        assert changes is not None  # a guard exists only where there is a fallback
+    def _switch_estimator(self, changes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Replace the estimator by its fallback, or by the one ``changes`` (a logged
+        switch's) make of it, and the guard by a fresh one; returns the config changes."""
+        if changes is None:
+            changes = self.estimator.fallback()
+            assert changes is not None  # a guard exists only where there is a fallback
         cfg = dataclasses.replace(self.estimator.config, **changes)
         self.estimator = cfg.estimator()
         self.guard = self._new_guard()
@@ -47,7 +48,7 @@ class GuardMixin:
             return
         ratio = self.guard.observe(row["grad_norm"])
         if ratio is not None:
-            row["guard_ratio"] = ratio
+            row["guard_norm_ratio"] = ratio
         if not self.guard.tripped:
             return
         before = describe_method(self.estimator.config.resolved())
@@ -67,11 +68,13 @@ class GuardMixin:
             )
 
     def _restore_guard(self) -> None:
-        """A resumed run's estimator and guard: the logged fallbacks again, then the
-        logged norms since the last one (the guard's state is a function of the log)."""
+        """A resumed run's estimator and guard: the logged switches again (their logged
+        changes, not the fallback of a config the resume may have changed, e.g. its fold),
+        then the logged norms since the last one (the guard's state is a function of the
+        log)."""
         events = self.log.get("guard", [])
-        for _ in events:
-            self._switch_estimator()
+        for ev in events:
+            self._switch_estimator(dict(ev["changes"]))
         if self.guard is not None:
             since = events[-1]["step"] if events else -1
             self.guard.replay(r["grad_norm"] for r in self.log["steps"] if r["step"] > since)
