@@ -19,8 +19,8 @@ Its baseline is the median of the first ``window`` steps of the current estimato
 then on it compares the median of the last ``window`` steps to it and trips when the
 ratio exceeds ``ratio``.  The trainer then builds the estimator's
 :meth:`~jagg_autograd.estimators.Estimator.fallback` (JAGG's linear fold -> the causal
-fold, unbiased for any advantages -> exact GRPO) for the rest of the run, logs the event
-and warns; the guard starts a new baseline for the new estimator.
+fold, free of the linear fold's noise-driven mean error -> exact GRPO) for the rest of the
+run, logs the event and warns; the guard starts a new baseline for the new estimator.
 
 The decision is one per run, from a batch statistic, never per sample, so it cannot make
 a sample's gradient depend on its own advantage (the rule every planner keeps).  Its

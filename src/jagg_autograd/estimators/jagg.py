@@ -61,8 +61,11 @@ class JaggEstimator(Estimator):
 
     def fallback(self) -> dict[str, Any] | None:
         # The linear fold's mean error (the later anchor sees the step's own noise) is what
-        # runs away; the causal fold has none for any advantages, at about 0.6 of exact's
-        # training phase (shapes).  Should the causal fold run away too: exact GRPO.
+        # runs away; the causal fold has no such term for any advantages and, with the
+        # window's anchors kept, costs what the linear fold does (shapes, groups of 16:
+        # 0.402 of exact's training phase against 0.415).  Its 2 anchors of 5 still learn
+        # less there (-16.5 % at 250 steps; benchmarks/results/shapes/SHAPES.md).  Should
+        # the causal fold run away too: exact GRPO.
         if self.config.fold == "linear":
             return {"fold": "causal"}
         return {"mode": "exact"}
