@@ -19,6 +19,9 @@ defaults do not change them):
 * ``adaptive_b{3,4,5}``: values + deferred, adaptive placement at budget 3 / 4 / 5
   anchors per sample (of T = 10 steps); ``adaptive_b4`` was the candidate default the
   issue proposed (targets are reported for both, :data:`CANDIDATES`); on shapes only b4;
+* ``adaptive_causal_b2`` / ``adaptive_causal_b2_5``: the causal fold at adaptive
+  positions, budget 2 / 2.5 (shapes, groups of 16: the first ends -14.1 % of exact at
+  250 steps; ``benchmarks/results/shapes/SHAPES.md``);
 * ``subsample_4`` (DanceGRPO, 4 random steps per sample) and ``mixgrpo_W4`` (MixGRPO's
   sliding SDE window of 4): the backward budget of W = 4 shared anchors;
 * ``nft``: a DiffusionNFT-style forward-process method (no log-probs, no per-step
@@ -102,6 +105,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adaptive_b5": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 5.0},
     # Shapes trains the first 5 of 10 steps: 2 anchors per sample (uniform's density).
     "adaptive_b2": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 2.0},
+    # The causal fold at adaptive positions (group-fair counts, nothing decided from |A|):
+    # budget 2 costs what uniform does; 2.5 gives half the samples a third anchor, chosen
+    # by the scale-free gain of their own proxy curve (about 0.5 of exact's phase).
+    "adaptive_causal_b2": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 2.0,
+                           "fold": "causal"},
+    "adaptive_causal_b2_5": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 2.5,
+                             "fold": "causal"},
     "subsample_4": {**_PLAIN, "mode": "subsample", "subsample_steps": 4},
     "mixgrpo_W4": {**_PLAIN, "mode": "mixgrpo"},
     # No probe: DiffusionNFT's loss does not estimate the GRPO gradient (the trainer refuses).
@@ -201,6 +211,7 @@ COSTS: dict[str, dict[str, Any]] = {
             "router": (0.078, 0.090),
             "adaptive_b3": (0.071, 0.067), "adaptive_b4": (0.070, 0.086),
             "adaptive_b2": (0.071, 0.060),  # not measured: below b3's
+            "adaptive_causal_b2": (0.071, 0.060), "adaptive_causal_b2_5": (0.071, 0.064),
             "adaptive_b5": (0.074, 0.112), "subsample_4": (0.072, 0.067),
             "mixgrpo_W4": (0.074, 0.069), "nft": (0.073, 0.112),
             "exact_fg2": (0.102, 0.255), "eager_fg2": (0.099, 0.142),
@@ -220,6 +231,8 @@ COSTS: dict[str, dict[str, Any]] = {
             "uniform_guard": (1.12, 1.38),  # not measured: uniform's until its guard trips
             "adaptive_b4": (1.14, 1.30), "subsample_4": (1.11, 1.17),
             "adaptive_b2": (1.14, 1.30),  # not measured: adaptive_b4's
+            # not measured: adaptive_b2's and x 1.25
+            "adaptive_causal_b2": (1.14, 1.30), "adaptive_causal_b2_5": (1.14, 1.62),
             # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
             # 3 anchors scaled by 3/2
             "uniform_causal": (1.12, 1.26), "uniform_causal_w4": (1.12, 1.88),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +45,28 @@ from jagg_autograd.trainer import GRPOTrainer
 NAMES = {
     "digits": ("exact", "uniform", "uniform_causal", "router", "adaptive_b3", "adaptive_b4",
                "adaptive_b5"),
-    "shapes": ("exact", "uniform", "uniform_causal", "uniform_causal_w4", "adaptive_b2"),
+    "shapes": ("exact", "uniform", "uniform_causal", "uniform_causal_w4", "adaptive_b2",
+               "adaptive_causal_b2", "adaptive_causal_b2_5"),
 }  # fmt: skip
 FLOORS = {
     "digits": {"uniform": 0.40, "uniform_causal": 0.40, "router": 0.40, "adaptive_b3": 0.30,
                "adaptive_b4": 0.40, "adaptive_b5": 0.50},
     "shapes": {"uniform": 0.40, "uniform_causal": 0.40, "uniform_causal_w4": 0.60,
-               "adaptive_b2": 0.40},
+               "adaptive_b2": 0.40, "adaptive_causal_b2": 0.40, "adaptive_causal_b2_5": 0.50},
 }  # fmt: skip
 CONFIGS = {"quick": {"reps": 2, "prompts_per_step": 2}, "full": {"reps": 21, "prompts_per_step": 8}}
 
 
-def trainers(task: str, prompts: int, group_size: int | None = None) -> dict[str, GRPOTrainer]:
-    """One trainer per variant of ``task`` (the quality study's settings, without its
-    evaluations and probes), all with exact's weights."""
+def trainers(
+    task: str, prompts: int, group_size: int | None = None, names: Sequence[str] | None = None
+) -> dict[str, GRPOTrainer]:
+    """One trainer per variant of ``task`` (``names``: those of them, with ``exact``; None:
+    all), the quality study's settings without its evaluations and probes, all with
+    exact's weights."""
     study = studies_for([task], False, prompts_per_step=prompts, group_size=group_size)[task]
+    keep = NAMES[task] if names is None else ("exact", *(n for n in names if n != "exact"))
     out = {n: GRPOTrainer(variant_config(n, 0, task, study, eval_per_digit=0, probe_every=0))
-           for n in NAMES[task]}  # fmt: skip
+           for n in NAMES[task] if n in keep}  # fmt: skip
     for tr in out.values():
         tr.policy.load_state_dict(out["exact"].policy.state_dict())
     return out
@@ -122,15 +128,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the quality study's settings and variants of this task",
     )
     ap.add_argument("--group-size", type=int, help="override the study's samples per prompt")
+    ap.add_argument("--variants", nargs="+", metavar="NAME",
+                    help="time only these of the task's variants (exact is always timed)")
     ap.add_argument("--out", help="output folder (default benchmarks/results/train_phase, "
                     "with _<task> for a task other than digits)")  # fmt: skip
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.group_size is not None and args.group_size < 2:
         ap.error(f"--group-size must be >= 2 (a group needs a baseline), got {args.group_size}")
+    unknown = sorted(set(args.variants or ()) - set(NAMES[args.task]))
+    if unknown:
+        ap.error(f"--variants: {unknown} are not variants of {args.task}; expected some of "
+                 f"{list(NAMES[args.task])}")
     cfg: dict[str, Any] = dict(CONFIGS["quick" if args.quick else "full"], task=args.task)
     torch.set_num_threads(1)
-    trs = trainers(args.task, cfg["prompts_per_step"], args.group_size)
+    trs = trainers(args.task, cfg["prompts_per_step"], args.group_size, args.variants)
     ex = trs["exact"].config
     cfg.update(
         group_size=ex.group_size,
@@ -142,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     flags = ["--quick"] * args.quick + [f"--task {args.task}"] * (args.task != "digits")
     flags += [f"--group-size {args.group_size}"] * (args.group_size is not None)
+    if args.variants:
+        flags.append(" ".join(["--variants", *args.variants]))
     res: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.train_phase", *flags]),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

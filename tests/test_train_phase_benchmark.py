@@ -27,3 +27,20 @@ def test_train_phase_benchmark_quick(run_benchmark, task: str) -> None:
     assert all(t > 0 for t in tm["median_s"].values())
     md = (out / "TRAIN_PHASE.md").read_text()
     assert "| uniform |" in md and "| 0.4 |" in md
+
+
+def test_train_phase_benchmark_variants_subset(run_benchmark) -> None:
+    """--variants times the named variants and exact, nothing else; an unknown name is
+    refused before any trainer is built."""
+    out = run_benchmark("benchmarks.train_phase", "--quick", "--task", "shapes",
+                        "--variants", "adaptive_causal_b2")  # fmt: skip
+    res = json.loads((out / "train_phase.json").read_text())
+    assert set(res["time"]["ratio_to_exact"]) == {"exact", "adaptive_causal_b2"}
+    assert "--variants adaptive_causal_b2" in res["command"]
+
+
+def test_train_phase_benchmark_rejects_unknown_variant() -> None:
+    from benchmarks.train_phase import main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--task", "shapes", "--variants", "nope"])

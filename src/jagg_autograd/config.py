@@ -173,7 +173,8 @@ class GRPOConfig:
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
                    "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
                    "group-fair advantages) or causal (the anchor at or before the step; "
-                   "unbiased for any advantages, lower per-batch cosine; on a prefix of "
+                   "no noise-driven mean error for any advantages, a smaller one from the held "
+                   "Jacobian, lower per-batch cosine; on a prefix of "
                    "the steps, timestep_fraction < 1, with uniform placement and no router, the "
                    "window layout's anchor count placed by causal_layout)",
                    choices=FOLDS)  # fmt: skip

@@ -82,15 +82,16 @@ def causal_layout(T: int, n_anchors: int) -> tuple[list[int], list[tuple[int, in
 
     Which layout suits the causal fold depends on where the upstream gradient is large.
     On a prefix of the sampler's steps (Flow-GRPO's ``timestep_fraction``) the window
-    layout's end anchor only serves itself; this layout is better there (shapes, the
-    first 5 of 10 steps trained, 2 anchors, 24 probe batches of 8 x 4: per-batch cosine to
-    the exact gradient 0.822 with anchors {0, 3} against 0.770 with the window layout's
-    {0, 4}, both unbiased).  On a whole trajectory the last step, nearest the data, has
-    the largest score-function gradient (||g_k|| ~ 1 / sigma_k) and the window layout's
-    end anchor holds it exactly; there the window layout is better (digits, 10 steps, 4
-    anchors: 0.916 with {0, 3, 6, 9} against 0.843 with {0, 3, 6, 8}).  The trainer's
-    JAGG estimator therefore passes these anchors (``jagg_trajectory(anchors=)``) for the
-    causal fold on a prefix only.  ``T >= 1`` and ``1 <= n_anchors <= T``.
+    layout's end anchor only serves itself; this layout is better there (shapes, the first 5
+    of 10 steps trained, 2 anchors, 24 probe batches of 8 x 4: per-batch cosine to the exact
+    gradient 0.822 with anchors {0, 3} against 0.770 with the window layout's {0, 4},
+    neither with the linear fold's mean error).  On a whole trajectory the last step,
+    nearest the data, has the largest score-function gradient (||g_k|| ~ 1 / sigma_k) and
+    the window layout's end anchor holds it exactly; there the window layout is better
+    (digits, 10 steps, 4 anchors: 0.916 with {0, 3, 6, 9} against 0.843 with {0, 3, 6, 8}).
+    The trainer's JAGG estimator therefore passes these anchors
+    (``jagg_trajectory(anchors=)``) for the causal fold on a prefix only.  ``T >= 1`` and
+    ``1 <= n_anchors <= T``.
 
     Example: ``causal_layout(5, 2) == ([0, 3], [(0, 2), (3, 4)])``.
     """

@@ -49,8 +49,12 @@ advantages (floor SD 0.005; the greedy split: +0.098 / +0.092), and with unit
 advantages even the causal fold's adaptive positions give +0.018 / +0.030 where its
 uniform anchors give -0.002 / +0.002.  Its former greedy split of the budget by
 absolute proxy reduction gave samples with large |A| more anchors (Spearman 0.94 with
-|A| on digits) and a bias of 1-2x the GRPO signal.  The causal fold is unbiased for any
-advantages (no zero-mean baseline needed) but less accurate per batch.
+|A| on digits) and a bias of 1-2x the GRPO signal.  The causal fold has no noise-driven
+mean error for any advantages (no zero-mean baseline needed) but is less accurate per
+batch; the mean error it keeps is the held Jacobian's (shapes, groups of 16, anchors
+{0, 3} of 5 steps: systematic share 3.4 floor SDs, the linear fold's 10.7; at the floor
+with 3 anchors and at the adaptive planner's {0, 4}, though that fold stalls 14 % short
+of exact over 250 steps: benchmarks/results/shapes/SHAPES.md).
 
 :func:`choose_plan` is the one place that decides which of them a call runs, from the
 parsed call (``jagg_autograd.call``).

@@ -151,8 +151,9 @@ def jagg_window(
         fold: how each step's g folds onto its anchors (``planner.FOLDS``): "linear"
             (the t-linear weights below; unbiased for GRPO only with zero-mean advantages
             and per-sample decisions that do not depend on them) or "causal" (onto the
-            anchor at or before the step only: unbiased for any advantages, less accurate
-            per batch); see :func:`jagg_autograd.planner.interpolation_weights`.
+            anchor at or before the step only: no noise-driven mean error for any
+            advantages, a smaller one from the held Jacobian, less accurate per batch);
+            see :func:`jagg_autograd.planner.interpolation_weights`.
             A linear-fold call's output carries its fold on its graph node, and
             :func:`jagg_autograd.grpo.grpo_loss` warns once when advantages of non-zero
             mean (e.g. raw rewards) reach it (:mod:`jagg_autograd.fold_guard`).
