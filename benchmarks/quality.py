@@ -498,6 +498,7 @@ PROBE_CURVES = {
     "probe_bias_to_signal_adam": "bias_to_signal_adam",
     "probe_expected_cosine": "expected_cosine",
     "probe_signal_fraction": "signal_fraction",
+    "probe_signal_floor_sd": "signal_fraction_floor_sd",
 }
 
 
@@ -553,6 +554,7 @@ def per_seed_summary(log: dict[str, Any]) -> dict[str, Any]:
         "probe_bias_to_signal": _mean(_probe(probes, "probe_bias_to_signal")),
         "probe_expected_cosine": _mean(_probe(probes, "probe_expected_cosine")),
         "probe_signal_fraction": _mean(_probe(probes, "probe_signal_fraction")),
+        "probe_signal_floor_sd": _mean(_probe(probes, "probe_signal_fraction_floor_sd")),
         "anchor_frac": _mean([r.get("anchor_frac", math.nan) for r in rows]),
         "routed_frac": _mean([r.get("routed_frac", math.nan) for r in rows]),
         "plan_frac": sum(plan) / train_s if plan and train_s > 0 else math.nan,
@@ -585,7 +587,7 @@ SCALARS = (
     "forward_samples_per_step", "grad_samples_per_step", "probe_cosine", "probe_cosine_min",
     "probe_share", "probe_share_max", "probe_share_adam", "probe_share_adam_max",
     "probe_bias_to_signal", "probe_expected_cosine", "probe_signal_fraction",
-    "anchor_frac", "routed_frac", "plan_frac",
+    "probe_signal_floor_sd", "anchor_frac", "routed_frac", "plan_frac",
 )  # fmt: skip
 
 

@@ -53,6 +53,31 @@ def test_pure_noise_sits_at_the_floor_for_every_n():
         assert 0.5 < emp / sd < 2.0, (n, emp, sd)
 
 
+def test_signal_fraction_floor_is_its_spread_and_resolution():
+    # Zero-mean exact gradients: the debiased signal fraction sits at 0 with the spread
+    # its floor SD gives (the share's formula applied to the x_i), and is not resolved; a
+    # signal of many floor SDs is.
+    n, P = 12, 4000
+    fracs, sds, resolved = [], [], []
+    for r in range(30):
+        x = _noise(n, P, 200 + r)
+        rep = bias_statistics(x, x + 0.5 * _noise(n, P, 300 + r))
+        fracs.append(rep.signal_fraction.value)
+        sds.append(rep.signal_fraction_floor_sd)
+        resolved.append(rep.signal_resolved)
+    sd = sum(sds) / len(sds)
+    emp = torch.tensor(fracs).std().item()
+    assert 0.5 < emp / sd < 2.0, (emp, sd)
+    assert sum(resolved) <= 3  # ~2.5 % one-sided at 2 SDs; 30 draws
+    mu = torch.zeros(P, dtype=F64)
+    mu[:40] = 2.0  # ||mu||^2 = 160 against E||x - mu||^2 = 4000: 4 % of the energy
+    x = mu + _noise(n, P, 7)
+    rep = bias_statistics(x, x + 0.5 * _noise(n, P, 8))
+    assert rep.signal_resolved and rep.signal_fraction.value > 10 * rep.signal_fraction_floor_sd
+    assert "NOT resolved" not in rep.summary()
+    assert rep.to_dict()["signal_fraction_floor_sd"] == rep.signal_fraction_floor_sd
+
+
 def test_one_noise_draw_has_zero_in_its_interval():
     n, P = 24, 3000
     x = 0.2 * _noise(n, P, 3) + 0.05 * _noise(1, P, 4)

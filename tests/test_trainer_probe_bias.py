@@ -20,7 +20,8 @@ TINY = dict(steps=2, prompts_per_step=2, group_size=2, num_steps=6, window=3,
             eval_per_digit=0, grid_samples=0, progress=False)  # fmt: skip
 # Always finite (with an error that is not identically 0):
 FINITE_KEYS = ("probe_systematic_share", "probe_systematic_share_floor_sd",
-               "probe_signal_fraction", "probe_mean_cosine", "probe_min_cosine")  # fmt: skip
+               "probe_signal_fraction", "probe_signal_fraction_floor_sd",
+               "probe_mean_cosine", "probe_min_cosine")  # fmt: skip
 # NaN when the debiased signal ||E exact||^2 is not positive (a few tiny batches: noise).
 BIAS_KEYS = (*FINITE_KEYS, "probe_bias_to_signal", "probe_expected_cosine")
 

@@ -40,7 +40,8 @@ def _bias_keys(
         nan = float("nan")
         keys = ["systematic_share", "systematic_share_floor_sd", "bias_to_signal"]
         if not suffix:
-            keys += ["expected_cosine", "signal_fraction", "mean_cosine", "min_cosine"]
+            keys += ["expected_cosine", "signal_fraction", "signal_fraction_floor_sd",
+                     "mean_cosine", "min_cosine"]
         out = {f"probe_{k}{suffix}": nan for k in keys}
         if not suffix:
             out.update(probe_expected_cosine=1.0, probe_mean_cosine=1.0, probe_min_cosine=1.0)
@@ -55,6 +56,7 @@ def _bias_keys(
         out.update(
             probe_expected_cosine=rep.expected_cosine.value,
             probe_signal_fraction=rep.signal_fraction.value,
+            probe_signal_fraction_floor_sd=rep.signal_fraction_floor_sd,
             probe_mean_cosine=rep.mean_cosine.value,
             probe_min_cosine=rep.min_cosine,
         )
@@ -170,7 +172,9 @@ class MeasurementMixin:
         ``probe_systematic_share`` (debiased ``||E err||^2 / E||err||^2``, floor 0),
         ``probe_systematic_share_floor_sd`` (its random floor's SD),
         ``probe_bias_to_signal`` (``||E err|| / ||E exact||``), ``probe_expected_cosine``
-        (``cos(E est, E exact)``), ``probe_signal_fraction``, ``probe_mean_cosine`` (= the
+        (``cos(E est, E exact)``), ``probe_signal_fraction`` and
+        ``probe_signal_fraction_floor_sd`` (its floor's SD: the ratios to the signal mean
+        something only where it exceeds 2 of them), ``probe_mean_cosine`` (= the
         mean per-batch cosine), ``probe_min_cosine``; and, once AdamW has a state, the
         share and bias to signal in its metric (:func:`~jagg_autograd.bias.adamw_precondition`)
         as ``probe_systematic_share_adam`` / ``probe_bias_to_signal_adam``.  The exact
