@@ -81,13 +81,18 @@ def one_minibatch(tr: GRPOTrainer, mb: Minibatch, seed: int) -> None:
         res.loss.backward()
 
 
+def rollout_minibatch(tr: GRPOTrainer, seed: int) -> Minibatch:
+    """One on-policy minibatch of ``tr``'s settings: a rollout of its prompts per step from
+    generator ``seed``, group advantages, its trained steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, groups = tr._group(tr.task.sample_prompts(tr.config.prompts_per_step, g))
+    traj = tr._sample(prompts, g)
+    adv = group_advantages(tr.task.reward(traj.latents[-1], prompts), groups)
+    return Minibatch(traj, adv, tr.estimator.train_steps(traj.batch_size, g))
+
+
 def study(trs: dict[str, GRPOTrainer], reps: int) -> dict[str, Any]:
-    ex = trs["exact"]
-    g = torch.Generator().manual_seed(1)
-    prompts, groups = ex._group(ex.task.sample_prompts(ex.config.prompts_per_step, g))
-    traj = ex._sample(prompts, g)
-    adv = group_advantages(ex.task.reward(traj.latents[-1], prompts), groups)
-    mb = Minibatch(traj, adv, ex.estimator.train_steps(traj.batch_size, g))
+    mb = rollout_minibatch(trs["exact"], 1)
     fns = {n: (lambda seed, tr=tr: one_minibatch(tr, mb, seed)) for n, tr in trs.items()}
     res = interleaved_times(fns, reps, ref="exact")
     res["ratio_to_exact"] = res.pop("ratio")

@@ -17,9 +17,7 @@ from pathlib import Path
 import torch
 
 import jagg_autograd.planner as planner
-from benchmarks.train_phase import one_minibatch, trainers
-from jagg_autograd.estimators import Minibatch
-from jagg_autograd.grpo import group_advantages
+from benchmarks.train_phase import one_minibatch, rollout_minibatch, trainers
 
 NAMES = ("adaptive_causal_b2", "adaptive_causal_b2_5")
 
@@ -37,13 +35,9 @@ def main() -> None:
 
     planner.adaptive_choice = recording
     lines = []
-    ex = trs["exact"]
     for seed in (100, 101, 102):
-        g = torch.Generator().manual_seed(seed)
-        prompts, groups = ex._group(ex.task.sample_prompts(8, g))
-        traj = ex._sample(prompts, g)
-        adv = group_advantages(ex.task.reward(traj.latents[-1], prompts), groups)
-        mb = Minibatch(traj, adv, ex.estimator.train_steps(traj.batch_size, g))
+        mb = rollout_minibatch(trs["exact"], seed)
+        adv = mb.adv
         for name in NAMES:
             seen.clear()
             one_minibatch(trs[name], mb, seed)
