@@ -64,7 +64,7 @@ def trainers(
     all), the quality study's settings without its evaluations and probes, all with
     exact's weights."""
     study = studies_for([task], False, prompts_per_step=prompts, group_size=group_size)[task]
-    keep = NAMES[task] if names is None else ("exact", *(n for n in names if n != "exact"))
+    keep = set(NAMES[task] if names is None else (*names, "exact"))
     out = {n: GRPOTrainer(variant_config(n, 0, task, study, eval_per_digit=0, probe_every=0))
            for n in NAMES[task] if n in keep}  # fmt: skip
     for tr in out.values():

@@ -83,13 +83,13 @@ class BiasReport:
     signal_fraction: ``||E x||^2 / E||x||^2``; bias_to_rms: ``||E e|| / sqrt(E||x||^2)``;
         mean_cosine: mean per-batch cos(y_i, x_i);
         each an :class:`Estimate` (value, jackknife SE, 95 % interval).
-    min_cosine: the smallest per-batch cosine; cosines: all of them, in batch order.
-    grad_samples: with-grad (step, sample) evaluations per batch, mean over batches,
-        keyed "exact" and "estimate" (None from :func:`bias_statistics`).
     signal_fraction_floor_sd: the SD the signal fraction would have for zero-mean exact
         gradients of the measured covariance (the share's floor, for x): a ratio to the
         signal (``bias_to_signal``, ``expected_cosine``) means something only where the
         signal is resolved, :attr:`signal_resolved`.
+    min_cosine: the smallest per-batch cosine; cosines: all of them, in batch order.
+    grad_samples: with-grad (step, sample) evaluations per batch, mean over batches,
+        keyed "exact" and "estimate" (None from :func:`bias_statistics`).
     """
 
     n_batches: int
@@ -100,12 +100,12 @@ class BiasReport:
     bias_to_signal: Estimate
     expected_cosine: Estimate
     signal_fraction: Estimate
+    signal_fraction_floor_sd: float
     bias_to_rms: Estimate
     mean_cosine: Estimate
     min_cosine: float
     cosines: tuple[float, ...]
     grad_samples: dict[str, float] | None = None
-    signal_fraction_floor_sd: float = math.nan
 
     @property
     def signal_resolved(self) -> bool:
@@ -123,12 +123,12 @@ class BiasReport:
             "bias_to_signal": self.bias_to_signal.to_dict(),
             "expected_cosine": self.expected_cosine.to_dict(),
             "signal_fraction": self.signal_fraction.to_dict(),
+            "signal_fraction_floor_sd": self.signal_fraction_floor_sd,
             "bias_to_rms": self.bias_to_rms.to_dict(),
             "mean_cosine": self.mean_cosine.to_dict(),
             "min_cosine": self.min_cosine,
             "cosines": list(self.cosines),
             "grad_samples": None if self.grad_samples is None else dict(self.grad_samples),
-            "signal_fraction_floor_sd": self.signal_fraction_floor_sd,
         }
 
     def summary(self) -> str:
@@ -304,14 +304,14 @@ def bias_statistics(
         bias_to_signal=b2s,
         expected_cosine=ecos,
         signal_fraction=frac,
+        # The same floor for the exact gradients: the signal fraction is the same debiased
+        # statistic of the x_i as the share is of the e_i.
+        signal_fraction_floor_sd=_floor_sd(G[:n, :n]),
         bias_to_rms=b2rms,
         mean_cosine=mcos,
         min_cosine=float(cos.min()),
         cosines=tuple(float(c) for c in cos),
         grad_samples=None if grad_samples is None else dict(grad_samples),
-        # The same floor for the exact gradients: the signal fraction is the same debiased
-        # statistic of the x_i as the share is of the e_i.
-        signal_fraction_floor_sd=_floor_sd(G[:n, :n]),
     )
 
 
