@@ -22,6 +22,10 @@ defaults do not change them):
 * ``adaptive_causal_b2`` / ``adaptive_causal_b2_5``: the causal fold at adaptive
   positions, budget 2 / 2.5 (shapes, groups of 16: the first ends -14.1 % of exact at
   250 steps; ``benchmarks/results/shapes/SHAPES.md``);
+* ``stochastic_causal_b2_5`` / ``_b2_4``: the causal fold's 2-anchor layout with a random
+  half / 0.4 of the samples promoted to the 3-anchor one and re-weighted
+  (``placement="stochastic"``): the 3-anchor fold in expectation at about 2.5 / 2.4
+  anchors per sample;
 * ``subsample_4`` (DanceGRPO, 4 random steps per sample) and ``mixgrpo_W4`` (MixGRPO's
   sliding SDE window of 4): the backward budget of W = 4 shared anchors;
 * ``nft``: a DiffusionNFT-style forward-process method (no log-probs, no per-step
@@ -112,6 +116,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                            "fold": "causal"},
     "adaptive_causal_b2_5": {**_PLAIN, **_VD, "placement": "adaptive", "budget": 2.5,
                              "fold": "causal"},
+    # Nested causal layouts with random promotion: 2 anchors per sample, half the active
+    # samples (drawn from the run's generator) promoted to a third and re-weighted by 1/pi,
+    # so the expectation is the 3-anchor causal fold for every batch (at about 2.5 anchors).
+    "stochastic_causal_b2_5": {**_PLAIN, **_VD, "placement": "stochastic", "budget": 2.5,
+                               "fold": "causal"},
+    # 0.4 of the samples promoted: within 0.5 of exact's training phase (b2.5: 0.501).
+    "stochastic_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic", "budget": 2.4,
+                               "fold": "causal"},
     "subsample_4": {**_PLAIN, "mode": "subsample", "subsample_steps": 4},
     "mixgrpo_W4": {**_PLAIN, "mode": "mixgrpo"},
     # No probe: DiffusionNFT's loss does not estimate the GRPO gradient (the trainer refuses).
@@ -212,6 +224,8 @@ COSTS: dict[str, dict[str, Any]] = {
             "adaptive_b3": (0.071, 0.067), "adaptive_b4": (0.070, 0.086),
             "adaptive_b2": (0.071, 0.060),  # not measured: below b3's
             "adaptive_causal_b2": (0.071, 0.060), "adaptive_causal_b2_5": (0.071, 0.064),
+            "stochastic_causal_b2_5": (0.071, 0.064),  # not measured: adaptive b2.5's
+            "stochastic_causal_b2_4": (0.071, 0.064),  # not measured: adaptive b2.5's
             "adaptive_b5": (0.074, 0.112), "subsample_4": (0.072, 0.067),
             "mixgrpo_W4": (0.074, 0.069), "nft": (0.073, 0.112),
             "exact_fg2": (0.102, 0.255), "eager_fg2": (0.099, 0.142),
@@ -233,6 +247,8 @@ COSTS: dict[str, dict[str, Any]] = {
             "adaptive_b2": (1.14, 1.30),  # not measured: adaptive_b4's
             # not measured: adaptive_b2's and x 1.25
             "adaptive_causal_b2": (1.14, 1.30), "adaptive_causal_b2_5": (1.14, 1.62),
+            "stochastic_causal_b2_5": (1.14, 1.62),  # not measured: adaptive b2.5's
+            "stochastic_causal_b2_4": (1.14, 1.58),  # not measured: adaptive b2.5's x 2.4/2.5
             # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
             # 3 anchors scaled by 3/2
             "uniform_causal": (1.12, 1.26), "uniform_causal_w4": (1.12, 1.88),
@@ -853,6 +869,18 @@ def _num(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
 
 
+def _to_signal(a: dict[str, Any], key: str, spec: str) -> str:
+    """A ratio to the GRPO signal (``key``: bias / signal, cos(E est, E exact)), marked
+    when the probes did not resolve the signal (fraction <= 2 of its own floor SDs): the
+    ratio then divides by sampling error (benchmarks/results/shapes/SHAPES.md)."""
+    cell = _num(a[key]["mean"], spec)
+    sig = a.get("probe_signal_fraction", {}).get("mean", math.nan)
+    floor = a.get("probe_signal_floor_sd", {}).get("mean", math.nan)
+    if math.isfinite(sig) and math.isfinite(floor) and cell != "n/a" and not sig > 2 * floor:
+        cell += " (signal not resolved)"
+    return cell
+
+
 def _category_table(agg: dict[str, Any], rows: list[str], key: str, title: str) -> list[str]:
     """Markdown lines of a per-category table (before → after, mean over seeds) of
     ``agg[n][key]`` for the variants ``rows``; none when ``rows`` is empty."""
@@ -888,8 +916,10 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
         "over probes and probe seeds, max = the largest probe): systematic share = "
         "||E err||² / E||err||², debiased (0 for an unbiased estimator, ± the floor SD in "
         "the JSON; 1 for a constant error); bias / signal = ||E err|| / ||E exact||; "
-        "cos(E est, E exact); the AdamW metric divides by the run's sqrt(v̂) + eps (no state "
-        "at step 0).  Per-batch cosine is secondary: it mostly measures how well an "
+        "cos(E est, E exact), marked \"signal not resolved\" where the GRPO signal's "
+        "fraction of a batch gradient's energy is within 2 of its own floor SDs (the ratios "
+        "then divide by sampling error); the AdamW metric divides by the run's sqrt(v̂) + "
+        "eps (no state at step 0).  Per-batch cosine is secondary: it mostly measures how well an "
         "estimator reproduces a batch's noise (the GRPO signal is a few % of a batch "
         "gradient's energy) and cannot see a bias.",
         "",
@@ -946,8 +976,8 @@ def task_markdown(task: str, res: dict[str, Any]) -> list[str]:
             f"{_num(a['grad_samples_per_step']['mean'], '.0f')} "
             f"| {_num(a['probe_share']['mean'], '+.4f')} / "
             f"{_num(a['probe_share_max']['mean'], '+.4f')} "
-            f"| {_num(a['probe_bias_to_signal']['mean'], '.3f')} "
-            f"| {_num(a['probe_expected_cosine']['mean'], '+.3f')} "
+            f"| {_to_signal(a, 'probe_bias_to_signal', '.3f')} "
+            f"| {_to_signal(a, 'probe_expected_cosine', '+.3f')} "
             f"| {_num(a['probe_share_adam']['mean'], '+.4f')} / "
             f"{_num(a['probe_share_adam_max']['mean'], '+.4f')} "
             f"| {_num(a['probe_cosine']['mean'], '.4f')} / "

@@ -21,7 +21,7 @@ def test_every_field_has_help_and_a_group_and_a_flag():
             assert f.name in dests, f.name
     # choices come from the field, defaults from the config
     actions = {a.dest: a for a in parser._actions}
-    assert actions["placement"].choices == ("uniform", "adaptive")
+    assert actions["placement"].choices == ("uniform", "adaptive", "stochastic")
     assert actions["lr"].default == GRPOConfig().lr and actions["out"].default == "jagg_demo_out"
     assert "--minibatches" in actions["optimizer_steps_per_rollout"].option_strings
 

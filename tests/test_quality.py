@@ -445,3 +445,22 @@ def test_runs_logged_before_the_runaway_guard_keep_their_meaning():
     assert _same_config(old, plain)
     assert not _same_config(old, guarded)
     assert not _same_config({**old, "guard_ratio": 1.5, "guard_window": 10}, plain)
+
+
+def test_ratios_to_an_unresolved_signal_are_marked():
+    """bias / signal and cos(E est, E exact) divide by the probes' estimate of the GRPO
+    signal; where that is within 2 of its own floor SDs the cell says so."""
+    from benchmarks.quality import _to_signal
+
+    def agg(sig: float, floor: float) -> dict:
+        return {"probe_bias_to_signal": {"mean": 1.39}, "probe_expected_cosine": {"mean": -0.11},
+                "probe_signal_fraction": {"mean": sig}, "probe_signal_floor_sd": {"mean": floor}}  # fmt: skip
+
+    low = agg(0.00035, 0.0003)  # the groups-of-16 probe over 40 batches: 1.2 floor SDs
+    assert _to_signal(low, "probe_bias_to_signal", ".3f") == "1.390 (signal not resolved)"
+    assert _to_signal(low, "probe_expected_cosine", "+.3f") == "-0.110 (signal not resolved)"
+    assert _to_signal(agg(0.04, 0.005), "probe_bias_to_signal", ".3f") == "1.390"
+    # Older probes kept no floor: shown as they are.
+    assert _to_signal(agg(0.04, math.nan), "probe_bias_to_signal", ".3f") == "1.390"
+    nan_ratio = {**low, "probe_bias_to_signal": {"mean": math.nan}}
+    assert _to_signal(nan_ratio, "probe_bias_to_signal", ".3f") == "n/a"

@@ -38,6 +38,7 @@ from jagg_autograd.checks import (
     check_choice,
     check_chunk_size,
     check_cond,
+    check_generator,
     check_latents,
     check_model,
     check_placement,
@@ -84,6 +85,7 @@ class JaggOptions:
     values_tol: float | None = None
     fold: str = "linear"
     anchors: Sequence[int] | None = None
+    generator: torch.Generator | None = None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(JaggOptions))
@@ -219,6 +221,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
     fold = check_fold(o.fold)
+    generator = check_generator(o.generator, placement, fold)
     return replace(
         o,
         mode=mode,
@@ -232,6 +235,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
         values=values,
         values_tol=values_tol,
         fold=fold,
+        generator=generator,
     )
 
 

@@ -22,7 +22,7 @@ from jagg_autograd.router import CosineRouter
 
 MODES = ("jagg", "exact")
 BATCHINGS = ("stacked", "per_step")
-PLACEMENTS = ("uniform", "adaptive")
+PLACEMENTS = ("uniform", "adaptive", "stochastic")
 
 # Default staleness tolerance of recomputed anchors vs ``values``, relative to
 # (1 + max|values|): a few ulp of round-off between a rollout's batch and the anchors'
@@ -259,16 +259,44 @@ def check_values(values: object, latents: torch.Tensor) -> torch.Tensor | None:
 def check_budget(budget: object, placement: str, T: int, default: float) -> float:
     if budget is None:
         return default
-    if placement != "adaptive":
-        raise ValueError("budget applies to placement='adaptive' only")
+    if placement == "uniform":
+        raise ValueError("budget applies to placement='adaptive' or 'stochastic' only")
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be None or a number of anchors per sample, got {budget!r}")
+    if placement == "stochastic":
+        # The causal fold needs the first active step only; L = floor(budget) >= 1.
+        if not 1.0 <= float(budget) <= T:  # NaN fails too
+            raise ValueError(
+                f"budget (mean anchors per sample) must be in [1, T={T}] for "
+                f"placement='stochastic', got {budget!r}"
+            )
+        return float(budget)
     if not 2.0 <= float(budget) <= T:  # NaN fails too
         raise ValueError(
             f"budget (mean anchors per sample) must be in [2, T={T}], got {budget!r}: a "
             "sample needs its first and last step as anchors"
         )
     return float(budget)
+
+
+def check_generator(generator: object, placement: str, fold: str) -> torch.Generator | None:
+    """The stochastic placement's generator (None: torch's default one); refused for
+    other placements (nothing would draw from it), and placement='stochastic' needs the
+    causal fold (its nested layouts re-weight the causal fold's rows)."""
+    if placement == "stochastic" and fold != "causal":
+        raise ValueError(
+            f"placement='stochastic' needs fold='causal' (its rows nest by segment), got "
+            f"fold={fold!r}"
+        )
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be None or a torch.Generator, got {type(generator).__name__}"
+        )
+    if placement != "stochastic":
+        raise ValueError("generator applies to placement='stochastic' only (nothing else draws)")
+    return generator
 
 
 def check_tol(values_tol: object) -> float | None:
@@ -290,19 +318,19 @@ def check_bool(name: str, value: object) -> bool:
 def check_placement(placement: object, deferred: bool, router: object, mode: str) -> str:
     """placement as a string, refusing the combinations adaptive placement cannot run."""
     placement = check_choice("placement", placement, PLACEMENTS)
-    if placement == "adaptive":
+    if placement != "uniform":
         if not deferred:
             raise ValueError(
-                "placement='adaptive' needs deferred=True: the anchors are chosen from the "
-                "upstream gradients, which exist only in the backward"
+                f"placement={placement!r} needs deferred=True: the anchors are chosen from "
+                "the upstream gradients, which exist only in the backward"
             )
         if router is not None:
             raise ValueError(
-                "router and placement='adaptive' do not combine: the adaptive budget already "
-                "gives non-linear samples more anchors; pass router=None"
+                f"router and placement={placement!r} do not combine: the budget already "
+                "decides every sample's anchors; pass router=None"
             )
         if mode == "exact":
-            raise ValueError("placement='adaptive' approximates; mode='exact' runs every step")
+            raise ValueError(f"placement={placement!r} approximates; mode='exact' runs every step")
     return placement
 
 

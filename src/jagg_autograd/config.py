@@ -168,8 +168,12 @@ class GRPOConfig:
     deferred: bool = _f(True, "gradient", "anchors run with grad in the backward, chunk by "
                         "chunk (every minibatch; per-step-loop activation memory)")  # fmt: skip
     placement: str = _f("uniform", "gradient", "anchor placement: uniform (the window "
-                        "layout) or adaptive (chosen in the backward; every minibatch runs "
-                        "deferred; router: uniform)", choices=PLACEMENTS)  # fmt: skip
+                        "layout), adaptive (chosen in the backward; every minibatch runs "
+                        "deferred; router: uniform) or stochastic (jagg, causal fold: "
+                        "floor(budget) anchors per sample, a random fraction of the samples "
+                        "promoted to one more and re-weighted, so the expectation is the "
+                        "(floor(budget)+1)-anchor causal fold; jagg_autograd.planner."
+                        "stochastic_choice)", choices=PLACEMENTS)  # fmt: skip
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
                    "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
                    "group-fair advantages) or causal (the anchor at or before the step; "
@@ -189,8 +193,8 @@ class GRPOConfig:
                                    "<= 0 on the command line: off)")  # fmt: skip
     guard_window: int = _f(10, "gradient", "GRPO steps of the runaway guard's baseline and "
                            "of its rolling median")  # fmt: skip
-    budget: float | None = _f(None, "gradient", "adaptive placement: mean anchors per sample "
-                              "(None: the uniform count)")  # fmt: skip
+    budget: float | None = _f(None, "gradient", "adaptive / stochastic placement: mean "
+                              "anchors per sample (None: the uniform count)")  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
                                 "jagg_trajectory's default)")  # fmt: skip
     lr: float = _f(1e-4, "optimisation", "AdamW learning rate (the peak, with a schedule)")
@@ -441,6 +445,15 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("nft_timesteps",), _optional(lambda v, c: _is_int(v) and v >= 1),
      "None or an int in [1, num_steps={c.num_steps}]"),
     (("budget",), _optional(lambda v, c: _is_real(v) and v > 0), "None or a finite number > 0"),
+    # exact, subsample and mixgrpo ignore the placement (and the router resolves it to
+    # uniform) as they do adaptive's; nft would ignore it silently, the linear fold's rows
+    # do not nest: refused.
+    (("placement",),
+     lambda v, c: v != "stochastic"
+     or (c.mode != "nft" and (c.mode != "jagg" or c.fold == "causal")),
+     "'uniform' or 'adaptive' with mode={c.mode!r}, fold={c.fold!r} ('stochastic' needs "
+     "fold='causal' with mode='jagg' and is not an nft placement: it re-weights the causal "
+     "fold's nested rows)"),
     (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),
      "'cpu' or 'cuda' (or 'cuda:N')"),

@@ -35,7 +35,7 @@ from jagg_autograd.checks import resolve_params, stale_error
 from jagg_autograd.distributed import ddp_for_deferred, ddp_post_forward, ddp_pre_forward
 from jagg_autograd.fold_guard import mark_fold
 from jagg_autograd.mix import mix_slots
-from jagg_autograd.planner import Plan, choose_plan
+from jagg_autograd.planner import Plan, apply_promotion, choose_plan
 
 if TYPE_CHECKING:
     from jagg_autograd.call import JaggCall, JaggStats
@@ -200,7 +200,7 @@ def _plan_rows(
         plan.n_rows,
         spec.call.opts.backend,
     )
-    return plan, g_rows, plan_s
+    return plan, apply_promotion(g_rows, plan), plan_s
 
 
 def _chunked_grads(

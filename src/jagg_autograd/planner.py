@@ -23,6 +23,10 @@ for the linear fold.)  The planners differ only in the mask:
   sample's set minimises the proxy  sum_k ||g_k|| * ||v_k - v_hat_k||  (v_hat_k the
   fold's reconstruction of v_k from the step's anchors) for its anchor count, by dynamic
   programming over Gram matrices; every sample gets the same count (see below).
+* :func:`stochastic_choice` — the causal fold only: nested ``causal_layout`` sets per
+  sample and a random subset (the caller's generator, nothing else) promoted to the
+  larger one with its rows re-weighted by 1/pi, so the expectation over the draw is the
+  larger layout's fold for every batch (:class:`Plan`'s ``promotion``).
 
 Bias and the group-fairness invariant
 -------------------------------------
@@ -67,6 +71,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from jagg_autograd.layout import causal_layout
 from jagg_autograd.mix import anchor_neighbours
 from jagg_autograd.router import cosine_route
 
@@ -85,6 +90,9 @@ class Plan:
         j * B + b: one stacked call), then the remaining anchor pairs in step-major order.
     whole_steps: anchor steps run for every sample as whole-step calls (eager layout).
     pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
+    promotion: placement="stochastic" only: (src, dst, inv_pi) -- the rows of the promoted
+        anchors, the rows of the base anchors their segments fold onto without them, and
+        1 / pi; applied to the folded rows by :func:`apply_promotion`.  None elsewhere.
     """
 
     anchor_mask: torch.Tensor
@@ -94,6 +102,7 @@ class Plan:
     whole_steps: list[int]
     pair_k: torch.Tensor
     pair_b: torch.Tensor
+    promotion: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -153,9 +162,11 @@ def make_plan(
     whole_steps: list[int] | None = None,
     *,
     fold: str = "linear",
+    promoted: StochasticChoice | None = None,
 ) -> Plan:
     """The plan of ``anchor_mask``; ``whole_steps`` (all True in the mask) get the first rows;
-    ``fold``: the interpolation weights' fold (:func:`interpolation_weights`)."""
+    ``fold``: the interpolation weights' fold (:func:`interpolation_weights`); ``promoted``:
+    the stochastic planner's promotions (their pairs are anchors of the mask)."""
     T, B = anchor_mask.shape
     dev = anchor_mask.device
     whole = list(whole_steps or [])
@@ -169,7 +180,12 @@ def make_plan(
         rest[idx] = False
     ks, bs = rest.nonzero(as_tuple=True)  # step-major
     slots[ks, bs] = len(whole) * B + torch.arange(ks.numel(), device=dev)
-    return Plan(anchor_mask, w_cur, w_nxt, slots, whole, ks, bs)
+    promotion = None
+    if promoted is not None and promoted.b.numel():
+        src = slots[promoted.k, promoted.b]
+        dst = slots[promoted.base, promoted.b]
+        promotion = (src, dst, promoted.inv_pi)
+    return Plan(anchor_mask, w_cur, w_nxt, slots, whole, ks, bs, promotion)
 
 
 # ------------------------------------------------------------------------------ uniform
@@ -441,6 +457,105 @@ def proxy_cost(
     return torch.where(interp, res, 0.0).sum(0)
 
 
+# --------------------------------------------------------------------------- stochastic
+
+
+@dataclass
+class StochasticChoice:
+    """The stochastic planner's decision.
+
+    mask: (T, B) bool anchors, base and promoted; k, base, b: (n,) int64, each promoted
+    pair (k, b) and the base anchor (base, b) that k's segment folds onto when k is not an
+    anchor; inv_pi: 1 / pi, pi the promotion probability of every promotable sample (1.0
+    when none is promoted).
+    """
+
+    mask: torch.Tensor
+    k: torch.Tensor
+    base: torch.Tensor
+    b: torch.Tensor
+    inv_pi: float
+
+
+def stochastic_choice(
+    upstream: torch.Tensor, budget: float, draw: torch.Tensor
+) -> StochasticChoice:
+    """Nested causal layouts with random promotion: the causal fold's (L+1)-anchor
+    expectation at a mean cost of ``budget`` anchors per active sample.
+
+    upstream: (T, B, *S) the loss's gradients w.r.t. the velocities; budget: mean anchors
+    per sample, L = floor(budget), frac = budget - L; draw: (B,) uniforms in [0, 1) from
+    the caller's generator (drawn before the plan, independent of everything else).
+
+    Sample b's active steps are f_b..l_b (first to last non-zero g; none: no anchor, its
+    gradient is exactly 0), n_b of them.  With n_b <= L every active step is an anchor (the
+    exact gradient).  Otherwise the (L+1)-anchor layout ``f_b + causal_layout(n_b, L+1)``
+    is F, its last anchor is k_b and the base layout is F without k_b.  m = round(frac *
+    n_p) of the n_p promotable samples, those with the m smallest draws (a uniformly random
+    subset: each is promoted with probability pi = m / n_p), get k_b as an anchor, and
+    their composite rows are re-weighted (:func:`apply_promotion`):
+
+        G_{k_b} <- G_{k_b} / pi,    G_{base_b} <- G_{base_b} + (1 - 1/pi) G_{k_b}
+
+    where G_{k_b} = sum over k_b's segment of g_j and base_b is the last base anchor.  The
+    estimator is  F_L + (1[promoted] / pi) (F_{L+1} - F_L)  per sample, so its expectation
+    over the draw is the (L+1)-anchor causal fold F_{L+1} *for every batch*: conditionally
+    unbiased, with no selection effect whatever the advantages are, at the cost of
+    L + pi anchors per promotable sample (shapes, 5 trained steps, budget 2.5: the
+    3-anchor fold {0, 2, 4} in expectation, {0, 2} or {0, 2, 4} per sample).  The price
+    is variance: (1/pi - 1) ||(J_{k_b} - J_{base_b})^T G_{k_b}||^2 per promoted sample, which
+    is why the promotable anchor is the layout's last (its segment is the shortest and
+    its held Jacobian the nearest).  The causal fold only: the linear fold's rows are not
+    nested this way.
+    """
+    T, B = upstream.shape[:2]
+    dev = upstream.device
+    first, last, n_act = (x.cpu() for x in _active_range(upstream))
+    L = int(budget)
+    frac = float(budget) - L
+    mask = torch.zeros((T, B), dtype=torch.bool)
+    extra = torch.full((B,), -1, dtype=torch.long)
+    base_last = torch.full((B,), -1, dtype=torch.long)
+    for n in sorted(set(n_act.tolist()) - {0}):
+        cols = (n_act == n).nonzero().flatten()
+        f = first[cols]
+        if n <= L:
+            steps = f[None, :] + torch.arange(n)[:, None]
+            mask[steps, cols[None, :].expand_as(steps)] = True
+            continue
+        full = causal_layout(n, L + 1)[0]
+        for a in full[:-1]:
+            mask[f + a, cols] = True
+        extra[cols] = f + full[-1]
+        base_last[cols] = f + full[-2]
+    promotable = extra >= 0
+    n_p = int(promotable.sum())
+    m = min(n_p, round(frac * n_p))
+    order = torch.where(promotable, draw.detach().to("cpu", torch.float64), torch.inf).argsort()
+    chosen = order[:m]
+    mask[extra[chosen], chosen] = True
+    return StochasticChoice(
+        mask.to(dev),
+        extra[chosen].to(dev),
+        base_last[chosen].to(dev),
+        chosen.to(dev),
+        n_p / m if m else 1.0,
+    )
+
+
+def apply_promotion(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The stochastic estimator's composite rows from the causal fold's ``rows``
+    (n_rows, N) of ``plan``'s mask (:func:`stochastic_choice`); ``rows`` itself when the
+    plan promotes nothing.  Returns a new tensor."""
+    if plan.promotion is None:
+        return rows
+    src, dst, inv_pi = plan.promotion
+    moved = rows[src]
+    out = rows.index_add(0, dst, moved, alpha=1.0 - inv_pi)
+    out[src] = moved * inv_pi
+    return out
+
+
 # ------------------------------------------------------------------------------ chooser
 
 
@@ -475,7 +590,9 @@ def choose_plan(
       executor runs the anchor steps as whole-step calls first (``whole_steps``); without
       a gradient the plan is a preview of what a call with grad would run;
     * placement="adaptive" (deferred): per-sample anchors chosen from ``upstream``
-      (:func:`adaptive_choice`, ``round(budget * B)`` anchors over the batch).
+      (:func:`adaptive_choice`, ``round(budget * B)`` anchors over the batch);
+    * placement="stochastic" (deferred, causal fold): nested layouts with random
+      promotion (:func:`stochastic_choice`), the draw from ``opts.generator``.
     """
     T, B, dev = call.T, call.B, call.latents.device
     opts = call.opts
@@ -497,6 +614,14 @@ def choose_plan(
             values, upstream, call.t64, call.budget_total, fold=opts.fold
         ).mask
         exact = none
+    elif opts.placement == "stochastic" and call.executor == "deferred":
+        if upstream is None:
+            return PlanChoice(None, scores, none)
+        gen = opts.generator
+        draw = torch.rand(call.B, generator=gen, device=gen.device if gen is not None else "cpu")
+        choice = stochastic_choice(upstream, opts.budget, draw)
+        plan = make_plan(choice.mask, call.t64, fold=opts.fold, promoted=choice)
+        return PlanChoice(plan, scores, none)
     else:
         has_interior = torch.tensor([hi - lo >= 2 for lo, hi in call.windows], device=dev)
         exact = (

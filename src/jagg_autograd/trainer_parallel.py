@@ -33,11 +33,11 @@ def check_world_size(config: GRPOConfig, world: int) -> None:
     """Refuse what cannot give the single-process run with ``world`` processes."""
     if world == 1:
         return
-    if config.mode == "jagg" and config.placement == "adaptive":
+    if config.mode == "jagg" and config.placement != "uniform":
         raise ValueError(
-            f"placement='adaptive' with {world} processes: the anchor budget is placed over "
-            "the batch each process sees, so the run would depend on the number of processes; "
-            "use placement='uniform' (the default) or one process"
+            f"placement={config.placement!r} with {world} processes: the anchor budget is "
+            "placed over the batch each process sees, so the run would depend on the number "
+            "of processes; use placement='uniform' (the default) or one process"
         )
     if config.mode == "router" and config.jagg_frac is not None:
         raise ValueError(

@@ -78,6 +78,7 @@ def jagg_window(
     params: Sequence[torch.Tensor] | None = None,
     values_tol: float | None = None,
     fold: str = "linear",
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of one window of W >= 2 sampling steps, with the JAGG gradient.
 
@@ -131,7 +132,12 @@ def jagg_window(
             call at all).  Gradients reach parameters and cond tensors through autograd
             (``backward()``, ``autograd.grad``, hooks, accumulation, GradScaler).
         placement: "uniform" (the layout above; a router's routed-out samples get every
-            step of the window as anchors) or "adaptive" (deferred only, no router):
+            step of the window as anchors), "stochastic" (deferred, causal fold, no
+            router: each sample's ``floor(budget)``-anchor causal layout, and a random
+            ``budget - floor(budget)`` of the samples promoted to the next layout with
+            their rows re-weighted by 1/pi, so the gradient's expectation over the draw
+            is the (floor(budget)+1)-anchor causal fold for every batch:
+            ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
@@ -140,8 +146,8 @@ def jagg_window(
             depending on |g|'s scale (``planner.adaptive_choice``).  Every sample gets
             its first and last step with a non-zero upstream gradient (2 anchors; 1 if
             only one step is non-zero, 0 if none); steps outside that span need none.
-        budget: mean anchors per sample for placement="adaptive" (default: the uniform
-            layout's anchor count, 2 for a window).
+        budget: mean anchors per sample for placement="adaptive" or "stochastic"
+            (default: the uniform layout's anchor count, 2 for a window).
         params: the trainable tensors, needed by ``deferred=True`` when ``model`` is not an
             ``nn.Module`` (default: the module's parameters that require grad).
         values_tol: absolute tolerance of the ``values`` check (default
@@ -157,6 +163,9 @@ def jagg_window(
             A linear-fold call's output carries its fold on its graph node, and
             :func:`jagg_autograd.grpo.grpo_loss` warns once when advantages of non-zero
             mean (e.g. raw rewards) reach it (:mod:`jagg_autograd.fold_guard`).
+        generator: placement="stochastic" only: the ``torch.Generator`` its promotions
+            are drawn from in the backward (B uniforms per call; None: torch's default
+            generator).
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
@@ -199,6 +208,7 @@ def jagg_trajectory(
     values_tol: float | None = None,
     fold: str = "linear",
     anchors: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 

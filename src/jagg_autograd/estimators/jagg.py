@@ -7,9 +7,9 @@ The execution path of a minibatch (logged in ``paths``):
 * ``"values+deferred"``: on-policy (no optimizer step since the rollout) with
   ``reuse_values``: the rollout's velocities are passed as ``values=`` with
   ``deferred=True``, so no model call is made but the anchors';
-* ``"deferred"``: ``deferred=True`` (or ``placement="adaptive"``, which always runs
-  deferred) without values: every step is recomputed, the anchors run with grad in the
-  backward, chunk by chunk;
+* ``"deferred"``: ``deferred=True`` (or ``placement="adaptive"`` / ``"stochastic"``,
+  which always run deferred) without values: every step is recomputed, the anchors run
+  with grad in the backward, chunk by chunk;
 * ``"eager"``: today's library default, one with-grad forward of the anchors.
 
 ``placement``/``budget`` apply to ``mode="jagg"`` only (the router uses the uniform layout).
@@ -47,8 +47,9 @@ class JaggEstimator(Estimator):
     router: CosineRouter | None = None
 
     @property
-    def adaptive(self) -> bool:
-        return self.config.placement == "adaptive"
+    def planned_in_backward(self) -> bool:
+        """Adaptive or stochastic placement: the plan is chosen from g in the backward."""
+        return self.config.placement != "uniform"
 
     def check(self) -> None:
         super().check()
@@ -109,12 +110,12 @@ class JaggEstimator(Estimator):
         anchors = None if mb is None else self.causal_anchors(mb)
         if anchors is not None:
             fold["anchors"] = anchors
-        if not (reuse or c.deferred or self.adaptive):
+        if not (reuse or c.deferred or self.planned_in_backward):
             return fold, "eager"
         # Values are only ever used with the deferred backward (no forward at all but the
         # anchors'); off-policy minibatches recompute every step.
         kw: dict[str, Any] = {"deferred": True, "params": ctx.params, **fold}
-        if self.adaptive:
+        if self.planned_in_backward:
             kw["placement"] = c.placement
             if c.budget is not None:
                 kw["budget"] = c.budget
@@ -133,6 +134,8 @@ class JaggEstimator(Estimator):
         c = self.config
         reuse = c.reuse_values and on_policy
         kw, path = self.core_options(ctx, reuse, mb)
+        if kw.get("placement") == "stochastic":
+            kw["generator"] = generator  # the run's stream: reproducible, resumable
         res = policy_log_probs(
             ctx.policy, mb.traj, steps=mb.steps, noise_level=c.noise_level, mode="jagg",
             window=c.window, shared_anchors=c.shared_anchors, router=self.router,
@@ -185,8 +188,8 @@ class RouterEstimator(JaggEstimator):
         return CosineRouter(self.config.threshold, self.config.jagg_frac)
 
     @property
-    def adaptive(self) -> bool:
-        return False  # the router and the adaptive budget do not combine
+    def planned_in_backward(self) -> bool:
+        return False  # the router and a placement budget do not combine
 
     @classmethod
     def places_causal_layout(cls, fold: str, placement: str) -> bool:

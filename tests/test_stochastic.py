@@ -1,0 +1,249 @@
+"""placement="stochastic": nested causal layouts with random promotion.
+
+Its gradient against a brute-force reference (one VJP per (step, sample) pair with the
+1/pi weights), its expectation over the draw (exactly the next layout's causal fold, for
+one fixed batch), the planner's decisions (counts, spans, the draw alone deciding who is
+promoted), the validation of its arguments, and the trainer's use of the run's generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from fields import MLPField, params_grad, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jagg_autograd import causal_layout, jagg_trajectory
+from jagg_autograd.config import GRPOConfig
+from jagg_autograd.planner import apply_promotion, make_plan, stochastic_choice
+
+F64 = torch.float64
+
+
+def _t(T: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(T)
+    gaps = 0.05 + torch.rand(T, generator=g, dtype=F64)
+    return (gaps.cumsum(0) / gaps.sum()).flip(0)
+
+
+def _case(T: int, B: int, seed: int, zero: dict[int, slice] | None = None):
+    model = MLPField(3, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    lat = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    up = torch.randn(T, B, 2, 3, generator=gen, dtype=F64)
+    for b, sl in (zero or {}).items():
+        up[sl, b] = 0.0
+    with torch.no_grad():
+        values = jagg_trajectory(model, lat, _t(T), window=2)
+    return model, lat, up, values
+
+
+def _run(model, lat, up, values, budget, seed):
+    T = lat.shape[0]
+    v, stats = jagg_trajectory(
+        model, lat, _t(T), window=2, fold="causal", deferred=True, values=values,
+        placement="stochastic", budget=budget, return_stats=True,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    return params_grad((v * up).sum(), model), stats.anchor_mask
+
+
+def _reference(model, lat, up, mask, budget):
+    """Brute force from the definition: per sample, F_L's held Jacobians, plus for the
+    promoted samples (1/pi) (F_{L+1} - F_L) on the promoted anchor's segment; pi from the
+    counts, recomputed here."""
+    T, B = mask.shape
+    t = _t(T)
+    L = int(budget)
+    nz = up.flatten(2).ne(0).any(-1)  # (T, B)
+    act = [nz[:, b].nonzero().flatten().tolist() for b in range(B)]
+    spans = [(a[0], a[-1] - a[0] + 1) if a else (0, 0) for a in act]
+    promotable = [n > L for _, n in spans]
+    promoted = [p and int(mask[:, b].sum()) == L + 1 for b, p in enumerate(promotable)]
+    n_p, m = sum(promotable), sum(promoted)
+    assert m == round((budget - L) * n_p)
+    inv_pi = n_p / m if m else 1.0
+
+    def vjp(a, k, b, w):
+        v = model(lat[a, b : b + 1], t[a : a + 1])
+        return w * params_grad((v * up[k, b : b + 1]).sum(), model)
+
+    total = torch.zeros_like(params_grad((model(lat[0, :1], t[:1]) * 0).sum(), model))
+    for b, (f, n) in enumerate(spans):
+        if n == 0:
+            continue
+        if not promotable[b]:
+            for k in range(f, f + n):
+                total += vjp(k, k, b, 1.0)
+            continue
+        full = [f + a for a in causal_layout(n, L + 1)[0]]
+        base, extra = full[:-1], full[-1]
+        for k in range(f, f + n):
+            p = max(a for a in base if a <= k)
+            if promoted[b] and k >= extra:
+                total += vjp(p, k, b, 1.0 - inv_pi) + vjp(extra, k, b, inv_pi)
+            else:
+                total += vjp(p, k, b, 1.0)
+    return total
+
+
+@pytest.mark.parametrize(
+    ("T", "B", "budget", "zero"),
+    [
+        (5, 4, 2.5, None),
+        (7, 5, 2.4, {1: slice(4, None), 3: slice(None, None)}),  # a short and an empty sample
+        (9, 3, 3.7, {0: slice(0, 2)}),  # a sample whose active span starts late
+        (6, 6, 1.5, {2: slice(1, None)}),  # one active step: exact
+    ],
+)
+def test_stochastic_gradient_equals_brute_force(T, B, budget, zero):
+    model, lat, up, values = _case(T, B, seed=T + B, zero=zero)
+    for seed in (0, 1, 2):
+        got, mask = _run(model, lat, up, values, budget, seed)
+        want = _reference(model, lat, up, mask, budget)
+        assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize(("T", "budget"), [(5, 2.5), (7, 1.5), (8, 3.25)])
+def test_expectation_over_the_draw_is_the_next_causal_layout(T, budget):
+    """Averaged over every subset the draw can promote, the gradient is the
+    (L+1)-anchor causal fold's for this batch, to round-off; a single draw is not."""
+    B = 4
+    model, lat, up, values = _case(T, B, seed=3)
+    L = int(budget)
+    m = round((budget - L) * B)
+    by_subset: dict[tuple[int, ...], torch.Tensor] = {}
+    for seed in range(80):
+        g, mask = _run(model, lat, up, values, budget, seed)
+        key = tuple(int(b) for b in (mask.sum(0) == L + 1).nonzero().flatten())
+        assert len(key) == m
+        by_subset.setdefault(key, g)
+    assert len(by_subset) == len(list(itertools.combinations(range(B), m)))
+    mean = torch.stack(list(by_subset.values())).mean(0)
+    v = jagg_trajectory(model, lat, _t(T), window=2, fold="causal", deferred=True,
+                        values=values, anchors=causal_layout(T, L + 1)[0])  # fmt: skip
+    want = params_grad((v * up).sum(), model)
+    assert rel_err(mean, want) < 1e-12
+    assert min(rel_err(g, want) for g in by_subset.values()) > 1e-4
+
+
+@settings(max_examples=25 if os.environ.get("CI") else 150, deadline=None)
+@given(T=st.integers(1, 12), B=st.integers(1, 9), data=st.data())
+def test_planner_counts_spans_and_scale_freedom(T, B, data):
+    budget = data.draw(st.floats(1.0, float(T)))
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    up = torch.randn(T, B, 3, generator=gen, dtype=F64)
+    for b in range(B):  # random active spans, some empty
+        lo = data.draw(st.integers(0, T))
+        hi = data.draw(st.integers(lo, T))
+        up[:lo, b] = 0.0
+        up[hi:, b] = 0.0
+    draw = torch.rand(B, generator=gen)
+    ch = stochastic_choice(up, budget, draw)
+    L = int(budget)
+    nz = up.ne(0).any(-1)
+    n_p = 0
+    for b in range(B):
+        act = nz[:, b].nonzero().flatten().tolist()
+        anchors = ch.mask[:, b].nonzero().flatten().tolist()
+        if not act:
+            assert anchors == []
+            continue
+        assert anchors[0] == act[0] and anchors[-1] <= act[-1]
+        if len(act) <= L:
+            assert anchors == list(range(act[0], act[-1] + 1))
+        else:
+            n_p += 1
+            assert len(anchors) in (L, L + 1)
+    promoted = ch.b.tolist()
+    assert len(promoted) == round((budget - L) * n_p) and len(set(promoted)) == len(promoted)
+    assert ch.inv_pi == (n_p / len(promoted) if promoted else 1.0)
+    for b, k, base in zip(promoted, ch.k.tolist(), ch.base.tolist()):
+        anchors = ch.mask[:, b].nonzero().flatten().tolist()
+        assert len(anchors) == L + 1 and anchors[-1] == k and anchors[-2] == base
+    # The promoted subset is the draw's alone: rescaling any sample's g (an advantage)
+    # changes nothing.
+    scale = torch.exp(torch.randn(B, generator=gen, dtype=F64) * 3)
+    ch2 = stochastic_choice(up * scale[None, :, None], budget, draw)
+    assert torch.equal(ch.mask, ch2.mask) and torch.equal(ch.b, ch2.b)
+
+
+def test_apply_promotion_reweights_rows():
+    T, B = 5, 2
+    up = torch.ones(T, B, 1, dtype=F64)
+    ch = stochastic_choice(up, 2.5, torch.tensor([0.1, 0.9]))  # sample 0 promoted
+    assert ch.b.tolist() == [0] and ch.inv_pi == 2.0
+    plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
+    rows = torch.arange(plan.n_rows, dtype=F64)[:, None] + 1.0
+    out = apply_promotion(rows, plan)
+    src, dst, _ = plan.promotion
+    torch.testing.assert_close(out[src], 2.0 * rows[src])
+    torch.testing.assert_close(out[dst], rows[dst] - rows[src])
+    keep = torch.ones(plan.n_rows, dtype=torch.bool)
+    keep[src] = keep[dst] = False
+    torch.testing.assert_close(out[keep], rows[keep])
+    # Nothing promoted: the rows themselves.
+    none = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal")
+    assert apply_promotion(rows, none) is rows
+
+
+@pytest.mark.parametrize(
+    ("kw", "err", "match"),
+    [
+        ({"fold": "linear"}, ValueError, "needs fold='causal'"),
+        ({"deferred": False}, ValueError, "needs deferred=True"),
+        ({"budget": 0.5}, ValueError, r"budget .* \[1, T=5\]"),
+        ({"budget": float("nan")}, ValueError, "budget"),
+        ({"generator": 3}, TypeError, "generator must be None or a torch.Generator"),
+        ({"mode": "exact"}, ValueError, "approximates"),
+    ],
+)
+def test_bad_arguments_refused_before_any_model_call(kw, err, match):
+    calls = []
+
+    def model(z, t):
+        calls.append(1)
+        return z * t.view(-1, 1)
+
+    lat = torch.randn(5, 2, 3, dtype=F64)
+    base = dict(window=2, fold="causal", deferred=True, placement="stochastic", budget=2.5)
+    with pytest.raises(err, match=match):
+        jagg_trajectory(model, lat, _t(5), **{**base, **kw})
+    # A generator with another placement would draw nothing: refused, not ignored.
+    with pytest.raises(ValueError, match="generator applies to placement='stochastic'"):
+        jagg_trajectory(model, lat, _t(5), window=2, generator=torch.Generator())
+    assert calls == []
+
+
+def test_config_refuses_stochastic_without_the_causal_jagg_fold():
+    GRPOConfig(placement="stochastic", fold="causal", budget=2.5).validate()
+    for bad in ({"fold": "linear"}, {"mode": "nft"}):
+        with pytest.raises(ValueError, match="'stochastic' needs"):
+            GRPOConfig(**{"placement": "stochastic", "fold": "causal", **bad}).validate()
+
+
+def test_trainer_draws_promotions_from_the_run_generator():
+    """The promotions come from the run's own stream: torch's global generator in another
+    state changes nothing, and every sample's anchors are the stochastic plan's."""
+    from jagg_autograd.estimators import ESTIMATORS
+    from jagg_autograd.trainer import train
+
+    kw = dict(steps=2, prompts_per_step=2, group_size=4, num_steps=5, window=2,
+              eval_per_digit=1, progress=False, fold="causal", placement="stochastic",
+              budget=2.5, seed=0)  # fmt: skip
+    torch.manual_seed(123)
+    a = train(GRPOConfig(**kw))
+    torch.manual_seed(456)
+    b = train(GRPOConfig(**kw))
+    ra, rb = a["steps"][-1], b["steps"][-1]
+    assert ra["paths"] == ["values+deferred"]
+    assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
+    # 8 samples x 5 steps, every sample active: 2 anchors each, 4 of them promoted
+    assert ra["grad_samples"] == 8 * 2 + 4
+    assert "stochastic placement budget 2.5" in ESTIMATORS["jagg"].describe(kw | {
+        "mode": "jagg", "shared_anchors": True})
