@@ -9,6 +9,7 @@ promoted), the validation of its arguments, and the trainer's use of the run's g
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from fields import MLPField, params_grad, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jagg_autograd import causal_layout, jagg_trajectory
+from jagg_autograd import CosineRouter, causal_layout, jagg_trajectory
 from jagg_autograd.config import GRPOConfig
 from jagg_autograd.planner import apply_promotion, make_plan, stochastic_choice
 
@@ -53,20 +54,19 @@ def _run(model, lat, up, values, budget, seed):
 
 
 def _reference(model, lat, up, mask, budget):
-    """Brute force from the definition: per sample, F_L's held Jacobians, plus for the
-    promoted samples (1/pi) (F_{L+1} - F_L) on the promoted anchor's segment; pi from the
-    counts, recomputed here."""
+    """Brute force from the definition: per sample, the base layout's held Jacobians, plus
+    for the promoted samples (1/pi) (F - F_base) on the promoted anchor's segment, pi =
+    budget - floor(budget); which samples are promoted is read off the mask."""
     T, B = mask.shape
     t = _t(T)
     L = int(budget)
+    frac = budget - L
     nz = up.flatten(2).ne(0).any(-1)  # (T, B)
     act = [nz[:, b].nonzero().flatten().tolist() for b in range(B)]
     spans = [(a[0], a[-1] - a[0] + 1) if a else (0, 0) for a in act]
-    promotable = [n > L for _, n in spans]
+    promotable = [n > L and frac > 0 for _, n in spans]
     promoted = [p and int(mask[:, b].sum()) == L + 1 for b, p in enumerate(promotable)]
-    n_p, m = sum(promotable), sum(promoted)
-    assert m == round((budget - L) * n_p)
-    inv_pi = n_p / m if m else 1.0
+    inv_pi = 1.0 / frac if frac else 1.0
 
     def vjp(a, k, b, w):
         v = model(lat[a, b : b + 1], t[a : a + 1])
@@ -76,11 +76,14 @@ def _reference(model, lat, up, mask, budget):
     for b, (f, n) in enumerate(spans):
         if n == 0:
             continue
-        if not promotable[b]:
+        if n <= L:  # every active step an anchor: exact
             for k in range(f, f + n):
                 total += vjp(k, k, b, 1.0)
             continue
-        full = [f + a for a in causal_layout(n, L + 1)[0]]
+        if frac == 0:  # an integer budget: the L-anchor layout, nothing drawn
+            full = [f + a for a in causal_layout(n, L)[0]] + [T]
+        else:
+            full = [f + a for a in causal_layout(n, L + 1)[0]]
         base, extra = full[:-1], full[-1]
         for k in range(f, f + n):
             p = max(a for a in base if a <= k)
@@ -98,6 +101,9 @@ def _reference(model, lat, up, mask, budget):
         (7, 5, 2.4, {1: slice(4, None), 3: slice(None, None)}),  # a short and an empty sample
         (9, 3, 3.7, {0: slice(0, 2)}),  # a sample whose active span starts late
         (6, 6, 1.5, {2: slice(1, None)}),  # one active step: exact
+        (5, 1, 2.5, None),  # frac * n_p < 1: promoted with probability 0.5
+        (7, 4, 3.0, {0: slice(5, None)}),  # an integer budget: the 3-anchor layout
+        (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span
     ],
 )
 def test_stochastic_gradient_equals_brute_force(T, B, budget, zero):
@@ -108,27 +114,70 @@ def test_stochastic_gradient_equals_brute_force(T, B, budget, zero):
         assert rel_err(got, want) < 1e-12
 
 
-@pytest.mark.parametrize(("T", "budget"), [(5, 2.5), (7, 1.5), (8, 3.25)])
-def test_expectation_over_the_draw_is_the_next_causal_layout(T, budget):
-    """Averaged over every subset the draw can promote, the gradient is the
-    (L+1)-anchor causal fold's for this batch, to round-off; a single draw is not."""
-    B = 4
-    model, lat, up, values = _case(T, B, seed=3)
-    L = int(budget)
-    m = round((budget - L) * B)
+@pytest.mark.parametrize(
+    ("T", "B", "budget", "zero"),
+    [(5, 4, 2.5, None), (7, 4, 1.5, None), (8, 4, 3.25, {1: slice(0, 2)}), (5, 1, 2.5, None),
+     (6, 3, 2.4, {2: slice(3, 4)})],
+)  # fmt: skip
+def test_expectation_over_the_draw_is_the_next_causal_layout(T, B, budget, zero):
+    """Over the draw -- every promoted subset, weighted by its probability (m = floor or
+    ceil of frac * n_p, the subset uniform given m) -- the gradient is the (L+1)-anchor
+    causal fold's for this batch, to round-off; no single draw is."""
+    model, lat, up, values = _case(T, B, seed=3, zero=zero)
+    L, frac = int(budget), budget - int(budget)
+    nz = up.flatten(2).ne(0).any(-1)
+    spans = [nz[:, b].nonzero().flatten().tolist() for b in range(B)]
+    promotable = [b for b in range(B) if spans[b] and spans[b][-1] - spans[b][0] + 1 > L]
+    lo = int(frac * len(promotable))
+    p_hi = frac * len(promotable) - lo
     by_subset: dict[tuple[int, ...], torch.Tensor] = {}
-    for seed in range(80):
+    for seed in range(120):
         g, mask = _run(model, lat, up, values, budget, seed)
-        key = tuple(int(b) for b in (mask.sum(0) == L + 1).nonzero().flatten())
-        assert len(key) == m
+        key = tuple(b for b in promotable if int(mask[:, b].sum()) == L + 1)
         by_subset.setdefault(key, g)
-    assert len(by_subset) == len(list(itertools.combinations(range(B), m)))
-    mean = torch.stack(list(by_subset.values())).mean(0)
-    v = jagg_trajectory(model, lat, _t(T), window=2, fold="causal", deferred=True,
-                        values=values, anchors=causal_layout(T, L + 1)[0])  # fmt: skip
-    want = params_grad((v * up).sum(), model)
+    want_keys = [c for m in (lo, lo + 1) if (m == lo or p_hi > 0) and m <= len(promotable)
+                 for c in itertools.combinations(promotable, m)]  # fmt: skip
+    assert sorted(by_subset) == sorted(want_keys)
+    mean = sum(
+        ((1 - p_hi) if len(k) == lo else p_hi) / math.comb(len(promotable), len(k)) * g
+        for k, g in by_subset.items()
+    )
+    # The (L+1)-anchor causal fold over each sample's own active steps, brute force.
+    full = torch.zeros((T, B), dtype=torch.bool)
+    for b in range(B):
+        if spans[b]:
+            n = spans[b][-1] - spans[b][0] + 1
+            for a in causal_layout(n, min(L + 1, n))[0]:
+                full[spans[b][0] + a, b] = True
+    want = _causal_reference(model, lat, up, full)
     assert rel_err(mean, want) < 1e-12
     assert min(rel_err(g, want) for g in by_subset.values()) > 1e-4
+
+
+def _causal_reference(model, lat, up, mask):
+    """sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor at or before k."""
+    T, B = mask.shape
+    t = _t(T)
+    total = 0.0
+    for b in range(B):
+        anchors = mask[:, b].nonzero().flatten().tolist()
+        for k in range(T):
+            prev = [a for a in anchors if a <= k]
+            if prev and bool(up[k, b].ne(0).any()):
+                v = model(lat[prev[-1], b : b + 1], t[prev[-1] : prev[-1] + 1])
+                total = total + params_grad((v * up[k, b : b + 1]).sum(), model)
+    return total
+
+
+def test_an_integer_budget_is_the_causal_layout_with_nothing_drawn():
+    model, lat, up, values = _case(7, 3, seed=5)
+    g0, m0 = _run(model, lat, up, values, 3.0, 0)
+    g1, m1 = _run(model, lat, up, values, 3.0, 1)
+    assert torch.equal(m0, m1) and torch.equal(g0, g1)
+    assert m0.nonzero()[:, 0].unique().tolist() == causal_layout(7, 3)[0]
+    v = jagg_trajectory(model, lat, _t(7), window=2, fold="causal", deferred=True,
+                        values=values, anchors=causal_layout(7, 3)[0])  # fmt: skip
+    assert rel_err(g0, params_grad((v * up).sum(), model)) < 1e-12
 
 
 @settings(max_examples=25 if os.environ.get("CI") else 150, deadline=None)
@@ -143,9 +192,10 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
         hi = data.draw(st.integers(lo, T))
         up[:lo, b] = 0.0
         up[hi:, b] = 0.0
-    draw = torch.rand(B, generator=gen)
+    draw = torch.rand(B + 1, generator=gen)
     ch = stochastic_choice(up, budget, draw)
     L = int(budget)
+    frac = budget - L
     nz = up.ne(0).any(-1)
     n_p = 0
     for b in range(B):
@@ -155,14 +205,19 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
             assert anchors == []
             continue
         assert anchors[0] == act[0] and anchors[-1] <= act[-1]
-        if len(act) <= L:
+        n = act[-1] - act[0] + 1
+        if n <= L:
             assert anchors == list(range(act[0], act[-1] + 1))
+        elif frac == 0:
+            assert anchors == [act[0] + a for a in causal_layout(n, L)[0]]
         else:
             n_p += 1
-            assert len(anchors) in (L, L + 1)
+            full = [act[0] + a for a in causal_layout(n, L + 1)[0]]
+            assert anchors in (full[:-1], full)  # nested: the base is the full minus its last
     promoted = ch.b.tolist()
-    assert len(promoted) == round((budget - L) * n_p) and len(set(promoted)) == len(promoted)
-    assert ch.inv_pi == (n_p / len(promoted) if promoted else 1.0)
+    assert len(promoted) in (int(frac * n_p), int(frac * n_p) + 1)
+    assert len(promoted) <= n_p and len(set(promoted)) == len(promoted)
+    assert ch.inv_pi == (1.0 / frac if frac else 1.0)
     for b, k, base in zip(promoted, ch.k.tolist(), ch.base.tolist()):
         anchors = ch.mask[:, b].nonzero().flatten().tolist()
         assert len(anchors) == L + 1 and anchors[-1] == k and anchors[-2] == base
@@ -176,7 +231,7 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
 def test_apply_promotion_reweights_rows():
     T, B = 5, 2
     up = torch.ones(T, B, 1, dtype=F64)
-    ch = stochastic_choice(up, 2.5, torch.tensor([0.1, 0.9]))  # sample 0 promoted
+    ch = stochastic_choice(up, 2.5, torch.tensor([0.1, 0.9, 0.5]))  # sample 0 promoted
     assert ch.b.tolist() == [0] and ch.inv_pi == 2.0
     plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
     rows = torch.arange(plan.n_rows, dtype=F64)[:, None] + 1.0
@@ -198,11 +253,16 @@ def test_apply_promotion_reweights_rows():
         ({"fold": "linear"}, ValueError, "needs fold='causal'"),
         ({"deferred": False}, ValueError, "needs deferred=True"),
         ({"budget": 0.5}, ValueError, r"budget .* \[1, T=5\]"),
+        ({"budget": 5.5}, ValueError, r"budget .* \[1, T=5\]"),
         ({"budget": float("nan")}, ValueError, "budget"),
         ({"generator": 3}, TypeError, "generator must be None or a torch.Generator"),
         ({"mode": "exact"}, ValueError, "approximates"),
+        ({"router": CosineRouter(0.7)}, ValueError, "do not combine"),
+        ({"anchors": [0, 2]}, ValueError, "anchors= is the uniform placement's"),
+        ({"placement": "uniform", "budget": None, "generator": torch.Generator()},
+         ValueError, "generator applies to placement='stochastic'"),
     ],
-)
+)  # fmt: skip
 def test_bad_arguments_refused_before_any_model_call(kw, err, match):
     calls = []
 
@@ -214,14 +274,14 @@ def test_bad_arguments_refused_before_any_model_call(kw, err, match):
     base = dict(window=2, fold="causal", deferred=True, placement="stochastic", budget=2.5)
     with pytest.raises(err, match=match):
         jagg_trajectory(model, lat, _t(5), **{**base, **kw})
-    # A generator with another placement would draw nothing: refused, not ignored.
-    with pytest.raises(ValueError, match="generator applies to placement='stochastic'"):
-        jagg_trajectory(model, lat, _t(5), window=2, generator=torch.Generator())
     assert calls == []
 
 
 def test_config_refuses_stochastic_without_the_causal_jagg_fold():
     GRPOConfig(placement="stochastic", fold="causal", budget=2.5).validate()
+    for budget in (0.5, 10.5):  # refused before the first rollout, not at its minibatch
+        with pytest.raises(ValueError, match=r"budget must be None or in \[1, T'=10\]"):
+            GRPOConfig(placement="stochastic", fold="causal", budget=budget).validate()
     for bad in ({"fold": "linear"}, {"mode": "nft"}):
         with pytest.raises(ValueError, match="'stochastic' needs"):
             GRPOConfig(**{"placement": "stochastic", "fold": "causal", **bad}).validate()

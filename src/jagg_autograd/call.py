@@ -189,7 +189,7 @@ class JaggCall:
 
     @property
     def budget_total(self) -> int:
-        """Anchors over the batch for placement="adaptive"."""
+        """Anchors over the batch for placement="adaptive" (stochastic: per sample)."""
         return round(self.opts.budget * self.B)
 
     def stats(
@@ -216,12 +216,12 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     chunk_size = check_chunk_size(o.chunk_size)
     router = check_router(o.router)
     deferred = check_bool("deferred", o.deferred)
-    placement = check_placement(o.placement, deferred, router, mode)
+    fold = check_fold(o.fold)
+    placement = check_placement(o.placement, deferred, router, mode, fold)
     budget = check_budget(o.budget, placement, latents.shape[0], float(n_anchors))
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
-    fold = check_fold(o.fold)
-    generator = check_generator(o.generator, placement, fold)
+    generator = check_generator(o.generator, placement)
     return replace(
         o,
         mode=mode,
@@ -261,11 +261,11 @@ def parse_call(
     opts = check_options(options, latents, len(anchors))
     if options.anchors is not None:
         # Explicit anchors replace the window layout (the window's anchor count stays the
-        # default budget, which only adaptive placement reads, refused here).
+        # default budget, which only the planned placements read, refused here).
         if opts.router is not None or opts.placement != "uniform":
             raise ValueError(
                 "anchors= is the uniform placement's layout without a router (a router tests "
-                "the window layout; placement='adaptive' chooses its own), got "
+                "the window layout; placement='adaptive' / 'stochastic' choose their own), got "
                 f"router={opts.router!r}, placement={opts.placement!r}"
             )
         anchors, windows = check_anchors(T, options.anchors, opts.fold)

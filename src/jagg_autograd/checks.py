@@ -257,6 +257,10 @@ def check_values(values: object, latents: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_budget(budget: object, placement: str, T: int, default: float) -> float:
+    """Mean anchors per sample of a planned placement (``default``, the layout's count,
+    when None); refused for the uniform layout, which has no budget.  Adaptive needs 2
+    (a sample's first and last active step), stochastic 1 (the causal fold needs the
+    first only)."""
     if budget is None:
         return default
     if placement == "uniform":
@@ -279,15 +283,9 @@ def check_budget(budget: object, placement: str, T: int, default: float) -> floa
     return float(budget)
 
 
-def check_generator(generator: object, placement: str, fold: str) -> torch.Generator | None:
+def check_generator(generator: object, placement: str) -> torch.Generator | None:
     """The stochastic placement's generator (None: torch's default one); refused for
-    other placements (nothing would draw from it), and placement='stochastic' needs the
-    causal fold (its nested layouts re-weight the causal fold's rows)."""
-    if placement == "stochastic" and fold != "causal":
-        raise ValueError(
-            f"placement='stochastic' needs fold='causal' (its rows nest by segment), got "
-            f"fold={fold!r}"
-        )
+    other placements, where nothing would draw from it."""
     if generator is None:
         return None
     if not isinstance(generator, torch.Generator):
@@ -315,9 +313,17 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_placement(placement: object, deferred: bool, router: object, mode: str) -> str:
-    """placement as a string, refusing the combinations adaptive placement cannot run."""
+def check_placement(
+    placement: object, deferred: bool, router: object, mode: str, fold: str = "linear"
+) -> str:
+    """placement as a string, refusing the combinations the planned placements cannot run
+    (``fold``: the checked fold)."""
     placement = check_choice("placement", placement, PLACEMENTS)
+    if placement == "stochastic" and fold != "causal":
+        raise ValueError(
+            f"placement='stochastic' needs fold='causal' (its rows nest by segment), got "
+            f"fold={fold!r}"
+        )
     if placement != "uniform":
         if not deferred:
             raise ValueError(

@@ -170,10 +170,11 @@ class GRPOConfig:
     placement: str = _f("uniform", "gradient", "anchor placement: uniform (the window "
                         "layout), adaptive (chosen in the backward; every minibatch runs "
                         "deferred; router: uniform) or stochastic (jagg, causal fold: "
-                        "floor(budget) anchors per sample, a random fraction of the samples "
-                        "promoted to one more and re-weighted, so the expectation is the "
-                        "(floor(budget)+1)-anchor causal fold; jagg_autograd.planner."
-                        "stochastic_choice)", choices=PLACEMENTS)  # fmt: skip
+                        "floor(budget) anchors per sample, each promoted to one more with "
+                        "probability budget - floor(budget) and re-weighted, so the "
+                        "expectation is the (floor(budget)+1)-anchor causal fold; "
+                        "jagg_autograd.planner.stochastic_choice)",
+                        choices=PLACEMENTS)  # fmt: skip
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
                    "(jagg, router): linear (both window ends; unbiased only with zero-mean, "
                    "group-fair advantages) or causal (the anchor at or before the step; "
@@ -445,6 +446,10 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("nft_timesteps",), _optional(lambda v, c: _is_int(v) and v >= 1),
      "None or an int in [1, num_steps={c.num_steps}]"),
     (("budget",), _optional(lambda v, c: _is_real(v) and v > 0), "None or a finite number > 0"),
+    # Checked here, not at the first minibatch after a rollout (jagg_trajectory's check).
+    (("budget",),
+     lambda v, c: c.placement != "stochastic" or v is None or 1 <= v <= c.num_train_steps,
+     "None or in [1, T'={c.num_train_steps}] (the trained steps) for placement='stochastic'"),
     # exact, subsample and mixgrpo ignore the placement (and the router resolves it to
     # uniform) as they do adaptive's; nft would ignore it silently, the linear fold's rows
     # do not nest: refused.

@@ -90,9 +90,10 @@ class Plan:
         j * B + b: one stacked call), then the remaining anchor pairs in step-major order.
     whole_steps: anchor steps run for every sample as whole-step calls (eager layout).
     pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
-    promotion: placement="stochastic" only: (src, dst, inv_pi) -- the rows of the promoted
-        anchors, the rows of the base anchors their segments fold onto without them, and
-        1 / pi; applied to the folded rows by :func:`apply_promotion`.  None elsewhere.
+    promotion: placement="stochastic" only: (src, dst, inv_pi) -- src, dst (m,) int64 the
+        rows of the promoted anchors and of the base anchors their segments fold onto
+        without them, and 1 / pi; applied to the folded rows by :func:`apply_promotion`.
+        None elsewhere.
     """
 
     anchor_mask: torch.Tensor
@@ -467,7 +468,7 @@ class StochasticChoice:
     mask: (T, B) bool anchors, base and promoted; k, base, b: (n,) int64, each promoted
     pair (k, b) and the base anchor (base, b) that k's segment folds onto when k is not an
     anchor; inv_pi: 1 / pi, pi the promotion probability of every promotable sample (1.0
-    when none is promoted).
+    for an integer budget, which promotes none).
     """
 
     mask: torch.Tensor
@@ -484,24 +485,29 @@ def stochastic_choice(
     expectation at a mean cost of ``budget`` anchors per active sample.
 
     upstream: (T, B, *S) the loss's gradients w.r.t. the velocities; budget: mean anchors
-    per sample, L = floor(budget), frac = budget - L; draw: (B,) uniforms in [0, 1) from
-    the caller's generator (drawn before the plan, independent of everything else).
+    per sample, L = floor(budget), frac = budget - L; draw: (B + 1,) uniforms in [0, 1)
+    from the caller's generator (drawn before the plan, independent of everything else):
+    B to rank the samples, one to round the promotion count.
 
     Sample b's active steps are f_b..l_b (first to last non-zero g; none: no anchor, its
     gradient is exactly 0), n_b of them.  With n_b <= L every active step is an anchor (the
-    exact gradient).  Otherwise the (L+1)-anchor layout ``f_b + causal_layout(n_b, L+1)``
-    is F, its last anchor is k_b and the base layout is F without k_b.  m = round(frac *
-    n_p) of the n_p promotable samples, those with the m smallest draws (a uniformly random
-    subset: each is promoted with probability pi = m / n_p), get k_b as an anchor, and
-    their composite rows are re-weighted (:func:`apply_promotion`):
+    exact gradient).  An integer budget (frac = 0) is the deterministic L-anchor layout
+    ``f_b + causal_layout(n_b, L)``.  Otherwise the (L+1)-anchor layout ``f_b +
+    causal_layout(n_b, L+1)`` is F, its last anchor is k_b and the *base* layout is F
+    without k_b (nested in F, hence not ``causal_layout(n_b, L)``: shapes, 5 steps, L = 2:
+    {0, 2}, where ``causal_layout(5, 2)`` is {0, 3}).  m of the n_p promotable samples,
+    those with the m smallest draws, get k_b as an anchor, m = floor(frac n_p) + 1 with
+    probability frac n_p - floor(frac n_p) (else + 0): every promotable sample is promoted
+    with probability pi = frac exactly, also when frac n_p < 1.  Their composite rows are
+    re-weighted (:func:`apply_promotion`):
 
         G_{k_b} <- G_{k_b} / pi,    G_{base_b} <- G_{base_b} + (1 - 1/pi) G_{k_b}
 
     where G_{k_b} = sum over k_b's segment of g_j and base_b is the last base anchor.  The
-    estimator is  F_L + (1[promoted] / pi) (F_{L+1} - F_L)  per sample, so its expectation
-    over the draw is the (L+1)-anchor causal fold F_{L+1} *for every batch*: conditionally
+    estimator is  F_base + (1[promoted] / pi) (F - F_base)  per sample, so its expectation
+    over the draw is the (L+1)-anchor causal fold F *for every batch*: conditionally
     unbiased, with no selection effect whatever the advantages are, at the cost of
-    L + pi anchors per promotable sample (shapes, 5 trained steps, budget 2.5: the
+    L + pi anchors per promotable sample (shapes, 5 trained steps, budget 2.4: the
     3-anchor fold {0, 2, 4} in expectation, {0, 2} or {0, 2, 4} per sample).  The price
     is variance: (1/pi - 1) ||(J_{k_b} - J_{base_b})^T G_{k_b}||^2 per promoted sample, which
     is why the promotable anchor is the layout's last (its segment is the shortest and
@@ -510,6 +516,8 @@ def stochastic_choice(
     """
     T, B = upstream.shape[:2]
     dev = upstream.device
+    if tuple(draw.shape) != (B + 1,):
+        raise ValueError(f"draw must be ({B + 1},) uniforms, got {tuple(draw.shape)}")
     first, last, n_act = (x.cpu() for x in _active_range(upstream))
     L = int(budget)
     frac = float(budget) - L
@@ -523,6 +531,10 @@ def stochastic_choice(
             steps = f[None, :] + torch.arange(n)[:, None]
             mask[steps, cols[None, :].expand_as(steps)] = True
             continue
+        if frac == 0.0:
+            for a in causal_layout(n, L)[0]:
+                mask[f + a, cols] = True
+            continue
         full = causal_layout(n, L + 1)[0]
         for a in full[:-1]:
             mask[f + a, cols] = True
@@ -530,16 +542,17 @@ def stochastic_choice(
         base_last[cols] = f + full[-2]
     promotable = extra >= 0
     n_p = int(promotable.sum())
-    m = min(n_p, round(frac * n_p))
-    order = torch.where(promotable, draw.detach().to("cpu", torch.float64), torch.inf).argsort()
-    chosen = order[:m]
+    u = draw.detach().to("cpu", torch.float64)
+    expected = frac * n_p
+    m = min(n_p, int(expected) + int(float(u[B]) < expected - int(expected)))
+    chosen = torch.where(promotable, u[:B], torch.inf).argsort()[:m]
     mask[extra[chosen], chosen] = True
     return StochasticChoice(
         mask.to(dev),
         extra[chosen].to(dev),
         base_last[chosen].to(dev),
         chosen.to(dev),
-        n_p / m if m else 1.0,
+        1.0 / frac if frac > 0.0 else 1.0,
     )
 
 
@@ -618,7 +631,9 @@ def choose_plan(
         if upstream is None:
             return PlanChoice(None, scores, none)
         gen = opts.generator
-        draw = torch.rand(call.B, generator=gen, device=gen.device if gen is not None else "cpu")
+        draw = torch.rand(
+            call.B + 1, generator=gen, device=gen.device if gen is not None else "cpu"
+        )
         choice = stochastic_choice(upstream, opts.budget, draw)
         plan = make_plan(choice.mask, call.t64, fold=opts.fold, promoted=choice)
         return PlanChoice(plan, scores, none)

@@ -133,10 +133,11 @@ def jagg_window(
             (``backward()``, ``autograd.grad``, hooks, accumulation, GradScaler).
         placement: "uniform" (the layout above; a router's routed-out samples get every
             step of the window as anchors), "stochastic" (deferred, causal fold, no
-            router: each sample's ``floor(budget)``-anchor causal layout, and a random
-            ``budget - floor(budget)`` of the samples promoted to the next layout with
-            their rows re-weighted by 1/pi, so the gradient's expectation over the draw
-            is the (floor(budget)+1)-anchor causal fold for every batch:
+            router: each sample's (floor(budget)+1)-anchor causal layout without its last
+            anchor, promoted to the whole layout with probability pi = budget -
+            floor(budget) and its rows re-weighted by 1/pi, so the gradient's expectation
+            over the draw is the (floor(budget)+1)-anchor causal fold for every batch; an
+            integer budget is the floor(budget)-anchor layout, nothing drawn:
             ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
@@ -164,7 +165,7 @@ def jagg_window(
             :func:`jagg_autograd.grpo.grpo_loss` warns once when advantages of non-zero
             mean (e.g. raw rewards) reach it (:mod:`jagg_autograd.fold_guard`).
         generator: placement="stochastic" only: the ``torch.Generator`` its promotions
-            are drawn from in the backward (B uniforms per call; None: torch's default
+            are drawn from in the backward (B + 1 uniforms per call; None: torch's default
             generator).
 
     Returns:

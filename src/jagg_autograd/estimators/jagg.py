@@ -102,9 +102,15 @@ class JaggEstimator(Estimator):
         return causal_layout(n, count)[0]
 
     def core_options(
-        self, ctx: LossContext, reuse: bool, mb: Minibatch | None = None
+        self,
+        ctx: LossContext,
+        reuse: bool,
+        mb: Minibatch | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[dict[str, Any], str]:
-        """The ``jagg_trajectory`` keywords of this minibatch's path, and the path's name."""
+        """The ``jagg_trajectory`` keywords of this minibatch's path, and the path's name;
+        ``generator``: the run's stream, which stochastic placement draws from (so a run
+        is reproducible and resumes exactly)."""
         c = self.config
         fold: dict[str, Any] = {} if c.fold == "linear" else {"fold": c.fold}  # linear: default
         anchors = None if mb is None else self.causal_anchors(mb)
@@ -119,6 +125,8 @@ class JaggEstimator(Estimator):
             kw["placement"] = c.placement
             if c.budget is not None:
                 kw["budget"] = c.budget
+            if c.placement == "stochastic":
+                kw["generator"] = generator
         return kw, "values+deferred" if reuse else "deferred"
 
     def loss(
@@ -133,9 +141,7 @@ class JaggEstimator(Estimator):
     ) -> MinibatchResult:
         c = self.config
         reuse = c.reuse_values and on_policy
-        kw, path = self.core_options(ctx, reuse, mb)
-        if kw.get("placement") == "stochastic":
-            kw["generator"] = generator  # the run's stream: reproducible, resumable
+        kw, path = self.core_options(ctx, reuse, mb, generator)
         res = policy_log_probs(
             ctx.policy, mb.traj, steps=mb.steps, noise_level=c.noise_level, mode="jagg",
             window=c.window, shared_anchors=c.shared_anchors, router=self.router,
