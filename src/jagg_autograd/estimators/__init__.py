@@ -9,7 +9,8 @@ choices, the trainer and the run summary pick it up.
 
 =============  ==========================================================================
 ``exact``      Flow-GRPO's per-step loop (``exact_loop``) or the batched oracle
-``jagg``       JAGG windows; on-policy values, deferred backward, adaptive placement
+``jagg``       JAGG windows; on-policy values, deferred backward, adaptive or stochastic
+               placement
 ``router``     JAGG + the cosine router (non-linear windows get the exact gradient)
 ``subsample``  DanceGRPO: the exact gradient of random steps per sample
 ``mixgrpo``    MixGRPO: a sliding SDE window, trained exactly
