@@ -25,7 +25,9 @@ defaults do not change them):
 * ``stochastic_causal_b2_5`` / ``_b2_4``: the causal fold's 2-anchor layout with a random
   half / 0.4 of the samples promoted to the 3-anchor one and re-weighted
   (``placement="stochastic"``): the 3-anchor fold in expectation at about 2.5 / 2.4
-  anchors per sample;
+  anchors per sample; ``stochastic_proxy_causal_b2_4``: the same mean and cost, each
+  sample promoted with a probability that grows with the planner's proxy of its promoted
+  term (``promotion="proxy"``), for less variance;
 * ``subsample_4`` (DanceGRPO, 4 random steps per sample) and ``mixgrpo_W4`` (MixGRPO's
   sliding SDE window of 4): the backward budget of W = 4 shared anchors;
 * ``nft``: a DiffusionNFT-style forward-process method (no log-probs, no per-step
@@ -124,6 +126,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # 0.4 of the samples promoted: within 0.5 of exact's training phase (b2.5: 0.501).
     "stochastic_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic", "budget": 2.4,
                                "fold": "causal"},
+    # The same expectation and mean cost, the promotions where the proxy of the promoted
+    # term is large (1/pi_b re-weighting keeps the mean): less variance per batch.
+    "stochastic_proxy_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
+                                     "budget": 2.4, "fold": "causal", "promotion": "proxy"},
     "subsample_4": {**_PLAIN, "mode": "subsample", "subsample_steps": 4},
     "mixgrpo_W4": {**_PLAIN, "mode": "mixgrpo"},
     # No probe: DiffusionNFT's loss does not estimate the GRPO gradient (the trainer refuses).
@@ -226,6 +232,7 @@ COSTS: dict[str, dict[str, Any]] = {
             "adaptive_causal_b2": (0.071, 0.060), "adaptive_causal_b2_5": (0.071, 0.064),
             "stochastic_causal_b2_5": (0.071, 0.064),  # not measured: adaptive b2.5's
             "stochastic_causal_b2_4": (0.071, 0.064),  # not measured: adaptive b2.5's
+            "stochastic_proxy_causal_b2_4": (0.071, 0.064),  # not measured: as b2.4
             "adaptive_b5": (0.074, 0.112), "subsample_4": (0.072, 0.067),
             "mixgrpo_W4": (0.074, 0.069), "nft": (0.073, 0.112),
             "exact_fg2": (0.102, 0.255), "eager_fg2": (0.099, 0.142),
@@ -249,6 +256,7 @@ COSTS: dict[str, dict[str, Any]] = {
             "adaptive_causal_b2": (1.14, 1.30), "adaptive_causal_b2_5": (1.14, 1.62),
             "stochastic_causal_b2_5": (1.14, 1.62),  # not measured: adaptive b2.5's
             "stochastic_causal_b2_4": (1.14, 1.58),  # not measured: adaptive b2.5's x 2.4/2.5
+            "stochastic_proxy_causal_b2_4": (1.14, 1.58),  # not measured: as b2.4
             # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
             # 3 anchors scaled by 3/2
             "uniform_causal": (1.12, 1.26), "uniform_causal_w4": (1.12, 1.88),

@@ -123,3 +123,35 @@ def segment_latents(z0: torch.Tensor, z1: torch.Tensor, t: torch.Tensor) -> torc
     a = (tt - tt[0]) / (tt[-1] - tt[0])
     a = a.view(W, z0.shape[0], *([1] * (z0.dim() - 1))).to(z0.dtype)
     return (1 - a) * z0 + a * z1
+
+
+def spread_timesteps(T: int) -> torch.Tensor:
+    """(T,) float64 timesteps from 1 down to 0 with uneven gaps (seeded by ``T``), so
+    that no interpolation weight is accidentally a round number."""
+    g = torch.Generator().manual_seed(T)
+    gaps = 0.05 + torch.rand(T, generator=g, dtype=torch.float64)
+    return (gaps.cumsum(0) / gaps.sum()).flip(0)
+
+
+def causal_reference(
+    model: nn.Module, lat: torch.Tensor, t: torch.Tensor, up: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Brute force of the causal fold: sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor
+    at or before k, one VJP per (step, sample) pair through its anchor's own forward.
+
+    lat, up: (T, B, *S); t: (T,); mask: (T, B) bool anchors.  Steps before a sample's
+    first anchor, and steps whose g is zero, contribute nothing.
+    """
+    T, B = mask.shape
+    total = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+    total = torch.zeros_like(total)
+    for b in range(B):
+        anchors = mask[:, b].nonzero().flatten().tolist()
+        for k in range(T):
+            prev = [a for a in anchors if a <= k]
+            if not prev or not bool(up[k, b].ne(0).any()):
+                continue
+            p = prev[-1]
+            v = model(lat[p, b : b + 1], t[p : p + 1])
+            total = total + params_grad((v * up[k, b : b + 1]).sum(), model)
+    return total

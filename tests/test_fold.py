@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from fields import MLPField, params_grad, rel_err
+from fields import MLPField, causal_reference, params_grad, rel_err
+from fields import spread_timesteps as _t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -34,12 +35,6 @@ from jagg_autograd.planner import (
 )
 
 F64 = torch.float64
-
-
-def _t(T: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(T)
-    gaps = 0.05 + torch.rand(T, generator=g, dtype=F64)
-    return (gaps.cumsum(0) / gaps.sum()).flip(0)
 
 
 def test_folds_and_causal_weights_of_a_mask():
@@ -284,24 +279,6 @@ class _Traj:
         self.num_steps = num_steps
 
 
-def _causal_reference(model, lat, t, up, mask):
-    """Brute force: sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor at or before k,
-    one VJP per (step, sample) pair through its anchor's own forward."""
-    T, B = mask.shape
-    total = None
-    for b in range(B):
-        anchors = mask[:, b].nonzero().flatten().tolist()
-        for k in range(T):
-            prev = [a for a in anchors if a <= k]
-            if not prev or not bool(up[k, b].ne(0).any()):
-                continue
-            p = prev[-1]
-            v = model(lat[p, b : b + 1], t[p : p + 1])
-            g = params_grad((v * up[k, b : b + 1]).sum(), model)
-            total = g if total is None else total + g
-    return total
-
-
 # adaptive placement chooses its own anchors (anchors= is refused with it)
 @pytest.mark.parametrize(
     ("path", "layout"),
@@ -335,7 +312,7 @@ def test_causal_fold_equals_brute_force(path, layout):
         assert mask[want_anchors].all() and int(mask.sum()) == 4 * B
     if layout == "causal":
         assert st_.windows == [(0, 2), (3, 4), (5, 6), (7, 8)]
-    want = _causal_reference(model, lat, t, up, mask)
+    want = causal_reference(model, lat, t, up, mask)
     assert rel_err(got, want) < 1e-12
     # ... and it is not the linear fold's gradient (linear: the window layout).
     v = jagg_trajectory(model, lat, t, window=4, **kw)

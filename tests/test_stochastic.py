@@ -14,21 +14,23 @@ import os
 
 import pytest
 import torch
-from fields import MLPField, params_grad, rel_err
+from fields import MLPField, causal_reference, params_grad, rel_err
+from fields import spread_timesteps as _t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jagg_autograd import CosineRouter, causal_layout, jagg_trajectory
 from jagg_autograd.config import GRPOConfig
-from jagg_autograd.planner import apply_promotion, make_plan, stochastic_choice
+from jagg_autograd.planner import (
+    PROXY_FLOOR,
+    apply_promotion,
+    make_plan,
+    promotion_probabilities,
+    stochastic_choice,
+    systematic_sample,
+)
 
 F64 = torch.float64
-
-
-def _t(T: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(T)
-    gaps = 0.05 + torch.rand(T, generator=g, dtype=F64)
-    return (gaps.cumsum(0) / gaps.sum()).flip(0)
 
 
 def _case(T: int, B: int, seed: int, zero: dict[int, slice] | None = None):
@@ -43,20 +45,29 @@ def _case(T: int, B: int, seed: int, zero: dict[int, slice] | None = None):
     return model, lat, up, values
 
 
-def _run(model, lat, up, values, budget, seed):
-    T = lat.shape[0]
+def _run(model, lat, up, values, budget, seed, promotion="uniform"):
+    """The stochastic call's parameter gradient of sum(v * up), its anchors, and every
+    sample's promotion probability (the planner's, re-drawn from the same stream and
+    checked to give the same anchors)."""
+    T, B = lat.shape[:2]
     v, stats = jagg_trajectory(
         model, lat, _t(T), window=2, fold="causal", deferred=True, values=values,
-        placement="stochastic", budget=budget, return_stats=True,
+        placement="stochastic", budget=budget, return_stats=True, promotion=promotion,
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
-    return params_grad((v * up).sum(), model), stats.anchor_mask
+    grad = params_grad((v * up).sum(), model)  # the plan, and stats.anchor_mask, come here
+    draw = torch.rand(B + 1, generator=torch.Generator().manual_seed(seed))
+    ch = stochastic_choice(up, budget, draw, promotion=promotion, values=values,
+                           t64=_t(T)[:, None].expand(T, B))  # fmt: skip
+    assert torch.equal(ch.mask, stats.anchor_mask)
+    return grad, stats.anchor_mask, ch.pi
 
 
-def _reference(model, lat, up, mask, budget):
+def _reference(model, lat, up, mask, budget, pi=None):
     """Brute force from the definition: per sample, the base layout's held Jacobians, plus
-    for the promoted samples (1/pi) (F - F_base) on the promoted anchor's segment, pi =
-    budget - floor(budget); which samples are promoted is read off the mask."""
+    for the promoted samples (1/pi_b) (F - F_base) on the promoted anchor's segment (pi:
+    (B,), default budget - floor(budget) for all); which samples are promoted is read off
+    the mask."""
     T, B = mask.shape
     t = _t(T)
     L = int(budget)
@@ -66,7 +77,7 @@ def _reference(model, lat, up, mask, budget):
     spans = [(a[0], a[-1] - a[0] + 1) if a else (0, 0) for a in act]
     promotable = [n > L and frac > 0 for _, n in spans]
     promoted = [p and int(mask[:, b].sum()) == L + 1 for b, p in enumerate(promotable)]
-    inv_pi = 1.0 / frac if frac else 1.0
+    pis = [frac] * B if pi is None else pi.tolist()
 
     def vjp(a, k, b, w):
         v = model(lat[a, b : b + 1], t[a : a + 1])
@@ -88,6 +99,7 @@ def _reference(model, lat, up, mask, budget):
         for k in range(f, f + n):
             p = max(a for a in base if a <= k)
             if promoted[b] and k >= extra:
+                inv_pi = 1.0 / pis[b]
                 total += vjp(p, k, b, 1.0 - inv_pi) + vjp(extra, k, b, inv_pi)
             else:
                 total += vjp(p, k, b, 1.0)
@@ -106,11 +118,17 @@ def _reference(model, lat, up, mask, budget):
         (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span
     ],
 )
-def test_stochastic_gradient_equals_brute_force(T, B, budget, zero):
+@pytest.mark.parametrize("promotion", ["uniform", "proxy"])
+def test_stochastic_gradient_equals_brute_force(T, B, budget, zero, promotion):
     model, lat, up, values = _case(T, B, seed=T + B, zero=zero)
+    if promotion == "proxy":  # advantages of very different sizes: the proxy follows them
+        up = up * torch.linspace(0.1, 3.0, B, dtype=F64).view(1, B, 1, 1)
     for seed in (0, 1, 2):
-        got, mask = _run(model, lat, up, values, budget, seed)
-        want = _reference(model, lat, up, mask, budget)
+        got, mask, pi = _run(model, lat, up, values, budget, seed, promotion)
+        if promotion == "uniform":
+            assert torch.all((pi == 0) | (pi == budget - int(budget)))
+            pi = None
+        want = _reference(model, lat, up, mask, budget, pi)
         assert rel_err(got, want) < 1e-12
 
 
@@ -132,7 +150,7 @@ def test_expectation_over_the_draw_is_the_next_causal_layout(T, B, budget, zero)
     p_hi = frac * len(promotable) - lo
     by_subset: dict[tuple[int, ...], torch.Tensor] = {}
     for seed in range(120):
-        g, mask = _run(model, lat, up, values, budget, seed)
+        g, mask, _ = _run(model, lat, up, values, budget, seed)
         key = tuple(b for b in promotable if int(mask[:, b].sum()) == L + 1)
         by_subset.setdefault(key, g)
     want_keys = [c for m in (lo, lo + 1) if (m == lo or p_hi > 0) and m <= len(promotable)
@@ -149,30 +167,15 @@ def test_expectation_over_the_draw_is_the_next_causal_layout(T, B, budget, zero)
             n = spans[b][-1] - spans[b][0] + 1
             for a in causal_layout(n, min(L + 1, n))[0]:
                 full[spans[b][0] + a, b] = True
-    want = _causal_reference(model, lat, up, full)
+    want = causal_reference(model, lat, _t(lat.shape[0]), up, full)
     assert rel_err(mean, want) < 1e-12
     assert min(rel_err(g, want) for g in by_subset.values()) > 1e-4
 
 
-def _causal_reference(model, lat, up, mask):
-    """sum_k J_{p(k)}^T g_k, p(k) the sample's last anchor at or before k."""
-    T, B = mask.shape
-    t = _t(T)
-    total = 0.0
-    for b in range(B):
-        anchors = mask[:, b].nonzero().flatten().tolist()
-        for k in range(T):
-            prev = [a for a in anchors if a <= k]
-            if prev and bool(up[k, b].ne(0).any()):
-                v = model(lat[prev[-1], b : b + 1], t[prev[-1] : prev[-1] + 1])
-                total = total + params_grad((v * up[k, b : b + 1]).sum(), model)
-    return total
-
-
 def test_an_integer_budget_is_the_causal_layout_with_nothing_drawn():
     model, lat, up, values = _case(7, 3, seed=5)
-    g0, m0 = _run(model, lat, up, values, 3.0, 0)
-    g1, m1 = _run(model, lat, up, values, 3.0, 1)
+    g0, m0, _ = _run(model, lat, up, values, 3.0, 0)
+    g1, m1, _ = _run(model, lat, up, values, 3.0, 1)
     assert torch.equal(m0, m1) and torch.equal(g0, g1)
     assert m0.nonzero()[:, 0].unique().tolist() == causal_layout(7, 3)[0]
     v = jagg_trajectory(model, lat, _t(7), window=2, fold="causal", deferred=True,
@@ -217,7 +220,9 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
     promoted = ch.b.tolist()
     assert len(promoted) in (int(frac * n_p), int(frac * n_p) + 1)
     assert len(promoted) <= n_p and len(set(promoted)) == len(promoted)
-    assert ch.inv_pi == (1.0 / frac if frac else 1.0)
+    assert torch.equal(ch.pi, torch.where(ch.pi > 0, torch.full_like(ch.pi, frac), 0.0))
+    assert int((ch.pi > 0).sum()) == (n_p if frac else 0)
+    assert torch.all(ch.inv_pi == 1.0 / frac) if frac else ch.inv_pi.numel() == 0
     for b, k, base in zip(promoted, ch.k.tolist(), ch.base.tolist()):
         anchors = ch.mask[:, b].nonzero().flatten().tolist()
         assert len(anchors) == L + 1 and anchors[-1] == k and anchors[-2] == base
@@ -231,8 +236,9 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
 def test_apply_promotion_reweights_rows():
     T, B = 5, 2
     up = torch.ones(T, B, 1, dtype=F64)
-    ch = stochastic_choice(up, 2.5, torch.tensor([0.1, 0.9, 0.5]))  # sample 0 promoted
-    assert ch.b.tolist() == [0] and ch.inv_pi == 2.0
+    # pi = 0.5 each, order (0, 1), offset 0.25: the point 0.25 falls in sample 0's [0, 0.5)
+    ch = stochastic_choice(up, 2.5, torch.tensor([0.1, 0.9, 0.25]))
+    assert ch.b.tolist() == [0] and ch.inv_pi.tolist() == [2.0]
     plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
     rows = torch.arange(plan.n_rows, dtype=F64)[:, None] + 1.0
     out = apply_promotion(rows, plan)
@@ -261,6 +267,9 @@ def test_apply_promotion_reweights_rows():
         ({"anchors": [0, 2]}, ValueError, "anchors= is the uniform placement's"),
         ({"placement": "uniform", "budget": None, "generator": torch.Generator()},
          ValueError, "generator applies to placement='stochastic'"),
+        ({"promotion": "size"}, ValueError, "promotion must be one of"),
+        ({"placement": "adaptive", "fold": "linear", "promotion": "proxy"}, ValueError,
+         "promotion='proxy' applies to placement='stochastic' only"),
     ],
 )  # fmt: skip
 def test_bad_arguments_refused_before_any_model_call(kw, err, match):
@@ -287,6 +296,12 @@ def test_config_refuses_stochastic_without_the_causal_jagg_fold():
             GRPOConfig(**{"placement": "stochastic", "fold": "causal", **bad}).validate()
 
 
+def test_config_refuses_proxy_promotion_without_stochastic_placement():
+    GRPOConfig(placement="stochastic", fold="causal", budget=2.5, promotion="proxy").validate()
+    with pytest.raises(ValueError, match="promotion must be 'uniform' unless"):
+        GRPOConfig(placement="adaptive", budget=2.5, promotion="proxy").validate()
+
+
 def test_trainer_draws_promotions_from_the_run_generator():
     """The promotions come from the run's own stream: torch's global generator in another
     state changes nothing, and every sample's anchors are the stochastic plan's."""
@@ -305,5 +320,115 @@ def test_trainer_draws_promotions_from_the_run_generator():
     assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
     # 8 samples x 5 steps, every sample active: 2 anchors each, 4 of them promoted
     assert ra["grad_samples"] == 8 * 2 + 4
-    assert "stochastic placement budget 2.5" in ESTIMATORS["jagg"].describe(kw | {
-        "mode": "jagg", "shared_anchors": True})
+    assert "stochastic placement budget 2.5" in ESTIMATORS["jagg"].describe(
+        kw | {"mode": "jagg", "shared_anchors": True}
+    )
+
+
+# ----------------------------------------------------------- probability-weighted promotion
+
+
+def _pieces(pi: torch.Tensor, order: torch.Tensor):
+    """The offsets u in [0, 1) on which systematic sampling is constant: (midpoint,
+    length) of each piece, from the breakpoints frac(S_j)."""
+    s = pi[order].cumsum(0)
+    cuts = sorted({0.0, 1.0, *(float(x - torch.floor(x)) for x in s)})
+    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@settings(max_examples=25 if os.environ.get("CI") else 200, deadline=None)
+@given(B=st.integers(1, 12), data=st.data())
+def test_systematic_sample_includes_every_sample_with_its_probability(B, data):
+    """Integrated exactly over the offset, every sample's inclusion probability is its
+    pi_b, for any order; the count is floor or ceil of sum(pi)."""
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    pi = torch.rand(B, generator=gen, dtype=F64)
+    pi[torch.rand(B, generator=gen) < 0.2] = 0.0
+    pi[torch.rand(B, generator=gen) < 0.2] = 1.0
+    order = torch.randperm(B, generator=gen)
+    incl = torch.zeros(B, dtype=F64)
+    total = float(pi.sum())
+    for u, w in _pieces(pi, order):
+        chosen = systematic_sample(pi, order, u)
+        assert int(chosen.sum()) in (math.floor(total + 1e-9), math.ceil(total - 1e-9))
+        assert not bool(chosen[pi == 0].any()) and bool(chosen[pi == 1].all())
+        incl += w * chosen.to(F64)
+    torch.testing.assert_close(incl, pi, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=25 if os.environ.get("CI") else 200, deadline=None)
+@given(B=st.integers(1, 16), data=st.data())
+def test_promotion_probabilities_sum_cap_floor_and_order(B, data):
+    seed = data.draw(st.integers(0, 2**16))
+    frac = data.draw(st.floats(0.01, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(B, generator=gen, dtype=F64) ** 4 * 10  # skewed: some capped at 1
+    w[torch.rand(B, generator=gen) < 0.2] = 0.0
+    promotable = torch.rand(B, generator=gen) < 0.8
+    pi = promotion_probabilities(w, promotable, frac)
+    n_p = int(promotable.sum())
+    assert abs(float(pi.sum()) - frac * n_p) < 1e-9
+    assert bool((pi[~promotable] == 0).all())
+    p = pi[promotable]
+    assert bool((p >= PROXY_FLOOR * frac - 1e-12).all() and (p <= 1 + 1e-12).all())
+    # A larger weight never gets a smaller probability; a common scale changes nothing.
+    wp = w[promotable]
+    for i in range(len(wp)):
+        for j in range(len(wp)):
+            if wp[i] > wp[j]:
+                assert p[i] >= p[j] - 1e-12
+    torch.testing.assert_close(promotion_probabilities(w * 7.5, promotable, frac), pi)
+    even = promotion_probabilities(torch.ones(B, dtype=F64), promotable, frac)
+    assert torch.equal(even, torch.where(promotable, torch.full((B,), frac, dtype=F64), 0.0))
+
+
+def test_proxy_promotion_follows_the_advantage_and_keeps_the_expectation():
+    """pi_b grows with |A_b|; integrated exactly over the offset (for a fixed order) the
+    re-weighted gradient is the (L+1)-anchor causal fold's, although who is promoted
+    depends on the advantages."""
+    T, B, budget = 5, 5, 2.4
+    model, lat, up, values = _case(T, B, seed=11)
+    up = up * torch.tensor([0.05, 0.5, 1.0, 2.0, 6.0], dtype=F64).view(1, B, 1, 1)
+    t64 = _t(T)[:, None].expand(T, B)
+    order_draw = torch.rand(B, generator=torch.Generator().manual_seed(0))
+    ch = stochastic_choice(up, budget, torch.cat([order_draw, torch.zeros(1)]),
+                           promotion="proxy", values=values, t64=t64)  # fmt: skip
+    assert ch.pi[-1] > ch.pi[0] and abs(float(ch.pi.sum()) - 0.4 * B) < 1e-9
+    mean = 0.0
+    pieces = _pieces(ch.pi.cpu(), order_draw.to(F64).argsort())
+    for u, w in pieces:
+        c = stochastic_choice(up, budget, torch.cat([order_draw, torch.tensor([u])]),
+                              promotion="proxy", values=values, t64=t64)  # fmt: skip
+        mean = mean + w * _reference(model, lat, up, c.mask, budget, c.pi)
+    full = torch.zeros((T, B), dtype=torch.bool)
+    full[causal_layout(T, 3)[0]] = True
+    want = causal_reference(model, lat, _t(T), up, full)
+    assert len(pieces) > 2 and rel_err(mean, want) < 1e-12
+
+
+def test_proxy_promotion_needs_the_velocities():
+    up = torch.ones(5, 2, 1, dtype=F64)
+    with pytest.raises(ValueError, match="needs the velocities"):
+        stochastic_choice(up, 2.5, torch.rand(3), promotion="proxy")
+
+
+def test_trainer_runs_proxy_promotion_reproducibly():
+    """--promotion proxy through the trainer: the run's own stream, promotions counted in
+    the with-grad samples, and the description names it."""
+    from jagg_autograd.estimators import ESTIMATORS
+    from jagg_autograd.trainer import train
+
+    kw = dict(steps=2, prompts_per_step=2, group_size=4, num_steps=5, window=2,
+              eval_per_digit=1, progress=False, fold="causal", placement="stochastic",
+              budget=2.5, promotion="proxy", seed=0)  # fmt: skip
+    torch.manual_seed(1)
+    a = train(GRPOConfig(**kw))
+    torch.manual_seed(2)
+    b = train(GRPOConfig(**kw))
+    ra, rb = a["steps"][-1], b["steps"][-1]
+    assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
+    # 8 samples x 5 steps: 2 anchors each and sum(pi) = 4 promotions (floor or ceil)
+    assert ra["grad_samples"] in (8 * 2 + 4, 8 * 2 + 3, 8 * 2 + 5)
+    desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
+    assert "stochastic placement budget 2.5, proxy promotion" in desc

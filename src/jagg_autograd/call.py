@@ -42,6 +42,7 @@ from jagg_autograd.checks import (
     check_latents,
     check_model,
     check_placement,
+    check_promotion,
     check_router,
     check_timesteps,
     check_tol,
@@ -86,6 +87,7 @@ class JaggOptions:
     fold: str = "linear"
     anchors: Sequence[int] | None = None
     generator: torch.Generator | None = None
+    promotion: str = "uniform"
 
 
 OPTION_NAMES = tuple(f.name for f in fields(JaggOptions))
@@ -222,6 +224,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
     generator = check_generator(o.generator, placement)
+    promotion = check_promotion(o.promotion, placement)
     return replace(
         o,
         mode=mode,
@@ -236,6 +239,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
         values_tol=values_tol,
         fold=fold,
         generator=generator,
+        promotion=promotion,
     )
 
 

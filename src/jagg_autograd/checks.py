@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from jagg_autograd.distributed import BUFFER_SYNC_WITH_ROUTER, ddp_syncs_buffers
+from jagg_autograd.planner import PROMOTIONS
 from jagg_autograd.router import CosineRouter
 
 MODES = ("jagg", "exact")
@@ -295,6 +296,18 @@ def check_generator(generator: object, placement: str) -> torch.Generator | None
     if placement != "stochastic":
         raise ValueError("generator applies to placement='stochastic' only (nothing else draws)")
     return generator
+
+
+def check_promotion(promotion: object, placement: str) -> str:
+    """How the stochastic placement spreads its promotions (:data:`PROMOTIONS`); anything
+    but the default is refused for other placements, which promote nothing."""
+    promotion = check_choice("promotion", promotion, PROMOTIONS)
+    if promotion != "uniform" and placement != "stochastic":
+        raise ValueError(
+            f"promotion={promotion!r} applies to placement='stochastic' only, got "
+            f"placement={placement!r}"
+        )
+    return promotion
 
 
 def check_tol(values_tol: object) -> float | None:

@@ -22,7 +22,7 @@ from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.lr_schedule import LR_SCHEDULERS
 from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
-from jagg_autograd.planner import FOLDS
+from jagg_autograd.planner import FOLDS, PROMOTIONS
 from jagg_autograd.rollout import STEP_SELECTIONS
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
 from jagg_autograd.tasks import GRPOTask, task_factory, task_names
@@ -196,6 +196,11 @@ class GRPOConfig:
                            "of its rolling median")  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive / stochastic placement: mean "
                               "anchors per sample (None: the uniform count)")  # fmt: skip
+    promotion: str = _f("uniform", "gradient", "stochastic placement: which samples are "
+                        "promoted -- uniform (each with probability budget - floor(budget)) "
+                        "or proxy (more often where the planner's proxy of the promoted "
+                        "term is large, re-weighted by 1/probability: the same expectation, "
+                        "less variance)", choices=PROMOTIONS)  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
                                 "jagg_trajectory's default)")  # fmt: skip
     lr: float = _f(1e-4, "optimisation", "AdamW learning rate (the peak, with a schedule)")
@@ -459,6 +464,8 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
      "'uniform' or 'adaptive' with mode={c.mode!r}, fold={c.fold!r} ('stochastic' needs "
      "fold='causal' with mode='jagg' and is not an nft placement: it re-weights the causal "
      "fold's nested rows)"),
+    (("promotion",), lambda v, c: v == "uniform" or c.placement == "stochastic",
+     "'uniform' unless placement='stochastic' (nothing else promotes)"),
     (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),
      "'cpu' or 'cuda' (or 'cuda:N')"),

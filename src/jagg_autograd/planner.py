@@ -25,8 +25,10 @@ for the linear fold.)  The planners differ only in the mask:
   programming over Gram matrices; every sample gets the same count (see below).
 * :func:`stochastic_choice` — the causal fold only: nested ``causal_layout`` sets per
   sample and a random subset (the caller's generator, nothing else) promoted to the
-  larger one with its rows re-weighted by 1/pi, so the expectation over the draw is the
-  larger layout's fold for every batch (:class:`Plan`'s ``promotion``).
+  larger one, sample b with probability pi_b and its rows re-weighted by 1/pi_b, so the
+  expectation over the draw is the larger layout's fold for every batch (:class:`Plan`'s
+  ``promotion``).  pi_b may depend on anything, the advantage included: a random decision
+  with known odds, undone by its weight, is the one kind the invariant below allows.
 
 Bias and the group-fairness invariant
 -------------------------------------
@@ -92,8 +94,8 @@ class Plan:
     pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
     promotion: placement="stochastic" only: (src, dst, inv_pi) -- src, dst (m,) int64 the
         rows of the promoted anchors and of the base anchors their segments fold onto
-        without them, and 1 / pi; applied to the folded rows by :func:`apply_promotion`.
-        None elsewhere.
+        without them, inv_pi (m,) float64 their 1 / pi_b; applied to the folded rows by
+        :func:`apply_promotion`.  None elsewhere.
     """
 
     anchor_mask: torch.Tensor
@@ -103,7 +105,7 @@ class Plan:
     whole_steps: list[int]
     pair_k: torch.Tensor
     pair_b: torch.Tensor
-    promotion: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    promotion: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -465,21 +467,99 @@ def proxy_cost(
 class StochasticChoice:
     """The stochastic planner's decision.
 
-    mask: (T, B) bool anchors, base and promoted; k, base, b: (n,) int64, each promoted
+    mask: (T, B) bool anchors, base and promoted; k, base, b: (m,) int64, each promoted
     pair (k, b) and the base anchor (base, b) that k's segment folds onto when k is not an
-    anchor; inv_pi: 1 / pi, pi the promotion probability of every promotable sample (1.0
-    for an integer budget, which promotes none).
+    anchor; inv_pi: (m,) float64, 1 / pi_b of each promoted sample; pi: (B,) float64 every
+    sample's promotion probability (0 for a sample with nothing to promote: an integer
+    budget, a short or an empty span).
     """
 
     mask: torch.Tensor
     k: torch.Tensor
     base: torch.Tensor
     b: torch.Tensor
-    inv_pi: float
+    inv_pi: torch.Tensor
+    pi: torch.Tensor
+
+
+PROMOTIONS = ("uniform", "proxy")
+"""How the stochastic planner spreads its promotion probability over the samples
+(:func:`promotion_probabilities`)."""
+
+PROXY_FLOOR = 0.25
+"""promotion="proxy": the share of the promotion budget spread uniformly, so that every
+promotable sample keeps pi_b >= PROXY_FLOOR * frac and its weight 1 / pi_b stays bounded
+where the proxy underrates its error."""
+
+
+def promotion_probabilities(
+    weights: torch.Tensor, promotable: torch.Tensor, frac: float
+) -> torch.Tensor:
+    """(B,) float64 promotion probabilities pi_b of the promotable samples, summing to
+    ``frac * n_p`` (n_p = promotable.sum()), each in (0, 1]; 0 elsewhere.
+
+    weights: (B,) >= 0 the proxy of each sample's promotion term (None-like uniform: all
+    equal); promotable: (B,) bool.  pi = (1 - PROXY_FLOOR) pi_prop + PROXY_FLOOR frac,
+    pi_prop proportional to the weight and capped at 1 (water-filling: the capped
+    samples' excess goes to the rest in proportion), so the variance of the re-weighted
+    term, sum_b (1/pi_b - 1) ||D_b||^2, is near its minimum when weight_b ~ ||D_b|| while
+    no pi_b falls below PROXY_FLOOR * frac.  Equal weights (or all zero) give pi = frac.
+    """
+    w = torch.where(promotable, weights.to(torch.float64).clamp_min(0.0), 0.0)
+    n_p = int(promotable.sum())
+    pi = torch.zeros_like(w)
+    if n_p == 0 or frac <= 0.0:
+        return pi
+    total = frac * n_p
+    wp = w[promotable]
+    if not bool(torch.isfinite(wp).all()) or bool((wp == wp[0]).all()):
+        # Equal (or unusable) weights: pi = frac exactly, the uniform promotion.
+        return torch.where(promotable, torch.full_like(w, frac), pi)
+    prop = torch.zeros_like(w)
+    capped = torch.zeros_like(promotable)
+    for _ in range(n_p):  # each pass caps at least one more sample or stops
+        free = promotable & ~capped
+        room = total - float(capped.sum())
+        ws = float(w[free].sum())
+        if ws <= 0.0:  # only zero weights are left: they share the rest evenly
+            prop = torch.where(free, room / max(int(free.sum()), 1), prop)
+            break
+        prop = torch.where(free, w * (room / ws), prop)
+        over = free & (prop >= 1.0)
+        if not bool(over.any()):
+            break
+        capped |= over
+        prop = torch.where(capped, 1.0, prop)
+    pi = (1.0 - PROXY_FLOOR) * prop.clamp(0.0, 1.0) + PROXY_FLOOR * frac
+    return torch.where(promotable, pi, 0.0)
+
+
+def systematic_sample(pi: torch.Tensor, order: torch.Tensor, u: float) -> torch.Tensor:
+    """(B,) bool: systematic sampling with inclusion probabilities ``pi`` (B,) in [0, 1].
+
+    The samples are laid end to end in ``order`` (a permutation, here random), sample j
+    covering [S_{j-1}, S_j) with S the running sum of pi; the points u, u + 1, u + 2, ...
+    (u in [0, 1)) select the samples they fall in.  Every sample is selected with
+    probability exactly pi_b over u, whatever the order; the number selected is
+    floor(sum pi) or that + 1.  With equal pi = frac the selected set is uniformly random
+    given its size (the order is).
+    """
+    s = pi[order].cumsum(0)
+    hi = torch.ceil(s - u)
+    lo = torch.ceil(torch.cat([s.new_zeros(1), s[:-1]]) - u)
+    chosen = torch.zeros_like(pi, dtype=torch.bool)
+    chosen[order] = hi > lo
+    return chosen
 
 
 def stochastic_choice(
-    upstream: torch.Tensor, budget: float, draw: torch.Tensor
+    upstream: torch.Tensor,
+    budget: float,
+    draw: torch.Tensor,
+    *,
+    promotion: str = "uniform",
+    values: torch.Tensor | None = None,
+    t64: torch.Tensor | None = None,
 ) -> StochasticChoice:
     """Nested causal layouts with random promotion: the causal fold's (L+1)-anchor
     expectation at a mean cost of ``budget`` anchors per active sample.
@@ -487,7 +567,7 @@ def stochastic_choice(
     upstream: (T, B, *S) the loss's gradients w.r.t. the velocities; budget: mean anchors
     per sample, L = floor(budget), frac = budget - L; draw: (B + 1,) uniforms in [0, 1)
     from the caller's generator (drawn before the plan, independent of everything else):
-    B to rank the samples, one to round the promotion count.
+    B to order the samples, one to offset the systematic sampling.
 
     Sample b's active steps are f_b..l_b (first to last non-zero g; none: no anchor, its
     gradient is exactly 0), n_b of them.  With n_b <= L every active step is an anchor (the
@@ -495,29 +575,43 @@ def stochastic_choice(
     ``f_b + causal_layout(n_b, L)``.  Otherwise the (L+1)-anchor layout ``f_b +
     causal_layout(n_b, L+1)`` is F, its last anchor is k_b and the *base* layout is F
     without k_b (nested in F, hence not ``causal_layout(n_b, L)``: shapes, 5 steps, L = 2:
-    {0, 2}, where ``causal_layout(5, 2)`` is {0, 3}).  m of the n_p promotable samples,
-    those with the m smallest draws, get k_b as an anchor, m = floor(frac n_p) + 1 with
-    probability frac n_p - floor(frac n_p) (else + 0): every promotable sample is promoted
-    with probability pi = frac exactly, also when frac n_p < 1.  Their composite rows are
-    re-weighted (:func:`apply_promotion`):
+    {0, 2}, where ``causal_layout(5, 2)`` is {0, 3}).  Each of the n_p promotable samples
+    gets k_b as an anchor with probability pi_b (:func:`promotion_probabilities`, sum
+    frac * n_p), drawn by :func:`systematic_sample` -- floor(frac n_p) or one more promoted,
+    pi_b exact also when frac n_p < 1 -- and its composite rows are re-weighted
+    (:func:`apply_promotion`):
 
-        G_{k_b} <- G_{k_b} / pi,    G_{base_b} <- G_{base_b} + (1 - 1/pi) G_{k_b}
+        G_{k_b} <- G_{k_b} / pi_b,    G_{base_b} <- G_{base_b} + (1 - 1/pi_b) G_{k_b}
 
     where G_{k_b} = sum over k_b's segment of g_j and base_b is the last base anchor.  The
-    estimator is  F_base + (1[promoted] / pi) (F - F_base)  per sample, so its expectation
-    over the draw is the (L+1)-anchor causal fold F *for every batch*: conditionally
-    unbiased, with no selection effect whatever the advantages are, at the cost of
-    L + pi anchors per promotable sample (shapes, 5 trained steps, budget 2.4: the
-    3-anchor fold {0, 2, 4} in expectation, {0, 2} or {0, 2, 4} per sample).  The price
-    is variance: (1/pi - 1) ||(J_{k_b} - J_{base_b})^T G_{k_b}||^2 per promoted sample, which
-    is why the promotable anchor is the layout's last (its segment is the shortest and
-    its held Jacobian the nearest).  The causal fold only: the linear fold's rows are not
-    nested this way.
+    estimator is  F_base + (1[promoted] / pi_b) (F - F_base)  per sample, so its
+    expectation over the draw is the (L+1)-anchor causal fold F *for every batch*:
+    conditionally unbiased whatever pi_b is, at the cost of L + pi_b anchors per
+    promotable sample (shapes, 5 trained steps, budget 2.4: the 3-anchor fold {0, 2, 4}
+    in expectation, {0, 2} or {0, 2, 4} per sample).  The price is variance,
+    sum_b (1/pi_b - 1) ||D_b||^2 with D_b = (J_{k_b} - J_{base_b})^T G_{k_b}:
+
+    * ``promotion="uniform"``: pi_b = frac for every promotable sample;
+    * ``promotion="proxy"``: pi_b grows with the planner's proxy of ||D_b||, the drop of
+      sum_k ||g_k|| ||v_k - v_hat_k|| (:func:`proxy_cost`, causal) when k_b is added
+      (needs ``values`` (T, B, *S) and ``t64`` (T, B)).  The proxy scales with |A_b|, so
+      the samples with large advantages are promoted more often -- a choice that depends
+      on the advantage, which the planners' invariant forbids for *deterministic*
+      decisions because it biases the mean; here the decision is a coin with known odds
+      and the weight 1/pi_b undoes it exactly, so the expectation is F for every batch
+      all the same, and the variance falls where the proxy tracks ||D_b|| (the
+      Horvitz-Thompson estimator with probabilities ~ size).
+
+    The promotable anchor is the layout's last (its segment is the shortest and its held
+    Jacobian the nearest).  The causal fold only: the linear fold's rows are not nested
+    this way.
     """
     T, B = upstream.shape[:2]
     dev = upstream.device
     if tuple(draw.shape) != (B + 1,):
         raise ValueError(f"draw must be ({B + 1},) uniforms, got {tuple(draw.shape)}")
+    if promotion not in PROMOTIONS:
+        raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
     first, last, n_act = (x.cpu() for x in _active_range(upstream))
     L = int(budget)
     frac = float(budget) - L
@@ -541,18 +635,29 @@ def stochastic_choice(
         extra[cols] = f + full[-1]
         base_last[cols] = f + full[-2]
     promotable = extra >= 0
-    n_p = int(promotable.sum())
+    weights = torch.ones(B, dtype=torch.float64)
+    if promotion == "proxy" and bool(promotable.any()):
+        if values is None or t64 is None:
+            raise ValueError('promotion="proxy" needs the velocities (values) and t64')
+        full_mask = mask.clone()
+        cols = promotable.nonzero().flatten()
+        full_mask[extra[cols], cols] = True
+        drop = proxy_cost(values, upstream, t64, mask.to(dev), "causal") - proxy_cost(
+            values, upstream, t64, full_mask.to(dev), "causal"
+        )
+        weights = drop.detach().cpu().to(torch.float64)
+    pi = promotion_probabilities(weights, promotable, frac)
     u = draw.detach().to("cpu", torch.float64)
-    expected = frac * n_p
-    m = min(n_p, int(expected) + int(float(u[B]) < expected - int(expected)))
-    chosen = torch.where(promotable, u[:B], torch.inf).argsort()[:m]
+    chosen = systematic_sample(pi, u[:B].argsort(), float(u[B])) & promotable
+    chosen = chosen.nonzero().flatten()
     mask[extra[chosen], chosen] = True
     return StochasticChoice(
         mask.to(dev),
         extra[chosen].to(dev),
         base_last[chosen].to(dev),
         chosen.to(dev),
-        1.0 / frac if frac > 0.0 else 1.0,
+        (1.0 / pi[chosen]).to(dev),
+        pi.to(dev),
     )
 
 
@@ -564,8 +669,9 @@ def apply_promotion(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
         return rows
     src, dst, inv_pi = plan.promotion
     moved = rows[src]
-    out = rows.index_add(0, dst, moved, alpha=1.0 - inv_pi)
-    out[src] = moved * inv_pi
+    w = inv_pi.to(rows.dtype).unsqueeze(1)
+    out = rows.index_add(0, dst, moved * (1.0 - w))
+    out[src] = moved * w
     return out
 
 
@@ -605,7 +711,8 @@ def choose_plan(
     * placement="adaptive" (deferred): per-sample anchors chosen from ``upstream``
       (:func:`adaptive_choice`, ``round(budget * B)`` anchors over the batch);
     * placement="stochastic" (deferred, causal fold): nested layouts with random
-      promotion (:func:`stochastic_choice`), the draw from ``opts.generator``.
+      promotion (:func:`stochastic_choice`, pi_b by ``opts.promotion``), the draw from
+      ``opts.generator``.
     """
     T, B, dev = call.T, call.B, call.latents.device
     opts = call.opts
@@ -634,7 +741,9 @@ def choose_plan(
         draw = torch.rand(
             call.B + 1, generator=gen, device=gen.device if gen is not None else "cpu"
         )
-        choice = stochastic_choice(upstream, opts.budget, draw)
+        choice = stochastic_choice(
+            upstream, opts.budget, draw, promotion=opts.promotion, values=values, t64=call.t64
+        )
         plan = make_plan(choice.mask, call.t64, fold=opts.fold, promoted=choice)
         return PlanChoice(plan, scores, none)
     else:

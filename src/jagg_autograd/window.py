@@ -79,6 +79,7 @@ def jagg_window(
     values_tol: float | None = None,
     fold: str = "linear",
     generator: torch.Generator | None = None,
+    promotion: str = "uniform",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of one window of W >= 2 sampling steps, with the JAGG gradient.
 
@@ -167,6 +168,11 @@ def jagg_window(
         generator: placement="stochastic" only: the ``torch.Generator`` its promotions
             are drawn from in the backward (B + 1 uniforms per call; None: torch's default
             generator).
+        promotion: placement="stochastic" only: "uniform" (every promotable sample with
+            probability budget - floor(budget)) or "proxy" (probabilities growing with the
+            planner's proxy of the promoted term, re-weighted by their inverse: the same
+            expectation, less variance where the proxy tracks the term; see
+            :func:`jagg_autograd.planner.stochastic_choice`).
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
@@ -210,6 +216,7 @@ def jagg_trajectory(
     fold: str = "linear",
     anchors: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    promotion: str = "uniform",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 

@@ -127,6 +127,8 @@ class JaggEstimator(Estimator):
                 kw["budget"] = c.budget
             if c.placement == "stochastic":
                 kw["generator"] = generator
+                if c.promotion != "uniform":
+                    kw["promotion"] = c.promotion
         return kw, "values+deferred" if reuse else "deferred"
 
     def loss(
@@ -166,7 +168,9 @@ class JaggEstimator(Estimator):
             budget = cfg.get("budget")
             extras.append(
                 f"{cfg['placement']} placement" + (f" budget {budget:g}" if budget else "")
-            )
+                + (f", {cfg['promotion']} promotion"
+                   if cfg.get("promotion", "uniform") != "uniform" else "")
+            )  # fmt: skip
         if cfg.get("fold", "linear") != "linear":
             extras.append(f"{cfg['fold']} fold")
             prefix = cfg.get("timestep_fraction", 1.0) < 1.0 and (
