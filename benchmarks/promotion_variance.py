@@ -40,6 +40,7 @@ from benchmarks.common import machine_info, write_report
 from benchmarks.train_phase import rollout_minibatch, trainers
 from jagg_autograd.estimators import Minibatch
 from jagg_autograd.trainer import GRPOTrainer
+from jagg_autograd.trainer_measure import _flat
 
 PROMOTIONS = {"uniform": "stochastic_causal_b2_4", "proxy": "stochastic_proxy_causal_b2_4"}
 MEAN = "uniform_causal_w4"  # the 3-anchor causal fold: both promotions' expectation
@@ -54,9 +55,7 @@ def flat_grad(tr: GRPOTrainer, mb: Minibatch, seed: int) -> tuple[torch.Tensor, 
     its with-grad samples."""
     res = tr.estimator.loss(tr, mb, generator=torch.Generator().manual_seed(seed),
                             on_policy=True)  # fmt: skip
-    gs = torch.autograd.grad(res.loss, tr.params, allow_unused=True)
-    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten()
-                      for g, p in zip(gs, tr.params)])  # fmt: skip
+    flat = _flat(torch.autograd.grad(res.loss, tr.params, allow_unused=True), tr.params)
     n = int(res.stats.grad_samples) if res.stats is not None else -1
     return flat.double(), n
 
