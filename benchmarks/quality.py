@@ -130,6 +130,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # term is large (1/pi_b re-weighting keeps the mean): less variance per batch.
     "stochastic_proxy_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
                                      "budget": 2.4, "fold": "causal", "promotion": "proxy"},
+    # Promotion to exact: 2 base anchors per sample, a promoted sample gets every trained
+    # step (3 more of 5, pi = 0.4 / 3 at budget 2.4) re-weighted, so the expectation is
+    # the exact gradient for every batch -- from the causal base {0, 3} or JAGG's linear
+    # fold's {0, 4}, whose noise-driven mean error the promoted samples remove on average.
+    "stochastic_exact_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
+                                     "budget": 2.4, "fold": "causal", "promote_to": "exact"},
+    "stochastic_exact_proxy_causal_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
+                                           "budget": 2.4, "fold": "causal",
+                                           "promote_to": "exact", "promotion": "proxy"},
+    "stochastic_exact_linear_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
+                                     "budget": 2.4, "fold": "linear", "promote_to": "exact"},
+    "stochastic_exact_proxy_linear_b2_4": {**_PLAIN, **_VD, "placement": "stochastic",
+                                           "budget": 2.4, "fold": "linear",
+                                           "promote_to": "exact", "promotion": "proxy"},
     "subsample_4": {**_PLAIN, "mode": "subsample", "subsample_steps": 4},
     "mixgrpo_W4": {**_PLAIN, "mode": "mixgrpo"},
     # No probe: DiffusionNFT's loss does not estimate the GRPO gradient (the trainer refuses).
@@ -233,6 +247,11 @@ COSTS: dict[str, dict[str, Any]] = {
             "stochastic_causal_b2_5": (0.071, 0.064),  # not measured: adaptive b2.5's
             "stochastic_causal_b2_4": (0.071, 0.064),  # not measured: adaptive b2.5's
             "stochastic_proxy_causal_b2_4": (0.071, 0.064),  # not measured: as b2.4
+            # not measured: as b2.4 (the same mean anchor count)
+            "stochastic_exact_causal_b2_4": (0.071, 0.064),
+            "stochastic_exact_proxy_causal_b2_4": (0.071, 0.064),
+            "stochastic_exact_linear_b2_4": (0.071, 0.064),
+            "stochastic_exact_proxy_linear_b2_4": (0.071, 0.064),
             "adaptive_b5": (0.074, 0.112), "subsample_4": (0.072, 0.067),
             "mixgrpo_W4": (0.074, 0.069), "nft": (0.073, 0.112),
             "exact_fg2": (0.102, 0.255), "eager_fg2": (0.099, 0.142),
@@ -257,6 +276,11 @@ COSTS: dict[str, dict[str, Any]] = {
             "stochastic_causal_b2_5": (1.14, 1.62),  # not measured: adaptive b2.5's
             "stochastic_causal_b2_4": (1.14, 1.58),  # not measured: adaptive b2.5's x 2.4/2.5
             "stochastic_proxy_causal_b2_4": (1.14, 1.58),  # not measured: as b2.4
+            # not measured: as b2.4 (the same mean anchor count)
+            "stochastic_exact_causal_b2_4": (1.14, 1.58),
+            "stochastic_exact_proxy_causal_b2_4": (1.14, 1.58),
+            "stochastic_exact_linear_b2_4": (1.14, 1.58),
+            "stochastic_exact_proxy_linear_b2_4": (1.14, 1.58),
             # from the group-8 studies (training phase / exact 0.405 at 2 anchors of 5),
             # 3 anchors scaled by 3/2
             "uniform_causal": (1.12, 1.26), "uniform_causal_w4": (1.12, 1.88),

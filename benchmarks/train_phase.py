@@ -47,7 +47,9 @@ NAMES = {
                "adaptive_b5"),
     "shapes": ("exact", "uniform", "uniform_causal", "uniform_causal_w4", "adaptive_b2",
                "adaptive_causal_b2", "adaptive_causal_b2_5", "stochastic_causal_b2_5",
-               "stochastic_causal_b2_4", "stochastic_proxy_causal_b2_4"),
+               "stochastic_causal_b2_4", "stochastic_proxy_causal_b2_4",
+               "stochastic_exact_causal_b2_4", "stochastic_exact_proxy_causal_b2_4",
+               "stochastic_exact_linear_b2_4", "stochastic_exact_proxy_linear_b2_4"),
 }  # fmt: skip
 FLOORS = {
     "digits": {"uniform": 0.40, "uniform_causal": 0.40, "router": 0.40, "adaptive_b3": 0.30,
@@ -55,7 +57,10 @@ FLOORS = {
     "shapes": {"uniform": 0.40, "uniform_causal": 0.40, "uniform_causal_w4": 0.60,
                "adaptive_b2": 0.40, "adaptive_causal_b2": 0.40, "adaptive_causal_b2_5": 0.50,
                "stochastic_causal_b2_5": 0.50, "stochastic_causal_b2_4": 0.48,
-               "stochastic_proxy_causal_b2_4": 0.48},
+               "stochastic_proxy_causal_b2_4": 0.48, "stochastic_exact_causal_b2_4": 0.48,
+               "stochastic_exact_proxy_causal_b2_4": 0.48,
+               "stochastic_exact_linear_b2_4": 0.48,
+               "stochastic_exact_proxy_linear_b2_4": 0.48},
 }  # fmt: skip
 CONFIGS = {"quick": {"reps": 2, "prompts_per_step": 2}, "full": {"reps": 21, "prompts_per_step": 8}}
 

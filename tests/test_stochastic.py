@@ -24,6 +24,7 @@ from jagg_autograd.config import GRPOConfig
 from jagg_autograd.planner import (
     PROXY_FLOOR,
     apply_promotion,
+    base_layout,
     make_plan,
     promotion_probabilities,
     stochastic_choice,
@@ -223,7 +224,9 @@ def test_planner_counts_spans_and_scale_freedom(T, B, data):
     assert torch.equal(ch.pi, torch.where(ch.pi > 0, torch.full_like(ch.pi, frac), 0.0))
     assert int((ch.pi > 0).sum()) == (n_p if frac else 0)
     assert torch.all(ch.inv_pi == 1.0 / frac) if frac else ch.inv_pi.numel() == 0
-    for b, k, base in zip(promoted, ch.k.tolist(), ch.base.tolist()):
+    assert torch.equal(ch.fold_k, ch.k) and torch.equal(ch.fold_b, ch.b)
+    assert torch.all(ch.fold_w == 1.0)
+    for b, k, base in zip(promoted, ch.k.tolist(), ch.fold_dst.tolist()):
         anchors = ch.mask[:, b].nonzero().flatten().tolist()
         assert len(anchors) == L + 1 and anchors[-1] == k and anchors[-2] == base
     # The promoted subset is the draw's alone: rescaling any sample's g (an advantage)
@@ -242,7 +245,8 @@ def test_apply_promotion_reweights_rows():
     plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
     rows = torch.arange(plan.n_rows, dtype=F64)[:, None] + 1.0
     out = apply_promotion(rows, plan)
-    src, dst, _ = plan.promotion
+    src, _, fsrc, dst, fcoef = plan.promotion
+    assert torch.equal(fsrc, src) and fcoef.tolist() == [-1.0]
     torch.testing.assert_close(out[src], 2.0 * rows[src])
     torch.testing.assert_close(out[dst], rows[dst] - rows[src])
     keep = torch.ones(plan.n_rows, dtype=torch.bool)
@@ -432,3 +436,211 @@ def test_trainer_runs_proxy_promotion_reproducibly():
     assert ra["grad_samples"] in (8 * 2 + 4, 8 * 2 + 3, 8 * 2 + 5)
     desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
     assert "stochastic placement budget 2.5, proxy promotion" in desc
+
+
+# ------------------------------------------------------------------- promotion to exact
+
+
+def _base_weights(base: list[int], k: int, t: torch.Tensor, fold: str):
+    """(anchor, weight) pairs the base layout's fold puts step k's g onto."""
+    if k in base:
+        return [(k, 1.0)]
+    prev = [a for a in base if a < k]
+    nxt = [a for a in base if a > k]
+    if fold == "causal":
+        return [(prev[-1], 1.0)]
+    if not nxt:  # after the last base anchor: the linear fold drops it
+        return []
+    p, q = prev[-1], nxt[0]
+    alpha = float((t[k] - t[p]) / (t[q] - t[p]))
+    return [(p, 1.0 - alpha), (q, alpha)]
+
+
+def _exact_reference(model, lat, up, mask, budget, fold, pi):
+    """Brute force of promote_to="exact" from the definition: per sample the base layout's
+    fold of its g, plus for a promoted sample (1/pi_b) (exact - base fold); a sample is
+    promoted when the mask holds every one of its n_b > L active steps."""
+    T, B = mask.shape
+    t = _t(T)
+    L = int(budget)
+    nz = up.flatten(2).ne(0).any(-1)
+
+    def vjp(a, k, b, w):
+        v = model(lat[a, b : b + 1], t[a : a + 1])
+        return w * params_grad((v * up[k, b : b + 1]).sum(), model)
+
+    total = torch.zeros_like(params_grad((model(lat[0, :1], t[:1]) * 0).sum(), model))
+    for b in range(B):
+        act = nz[:, b].nonzero().flatten().tolist()
+        if not act:
+            continue
+        f, n = act[0], act[-1] - act[0] + 1
+        if n <= L:
+            base = list(range(f, f + n))
+        elif fold == "causal":
+            base = [f + a for a in causal_layout(n, L)[0]]
+        else:  # the ends and L - 2 steps evenly between
+            base = [f] if L == 1 else [f + round(i * (n - 1) / (L - 1)) for i in range(L)]
+        promoted = n > L and budget > L and int(mask[:, b].sum()) == n
+        inv = 1.0 / float(pi[b]) if promoted else 0.0
+        for k in range(f, f + n):
+            for a, w in _base_weights(base, k, t, fold):
+                total += vjp(a, k, b, w * (1.0 - inv) if promoted else w)
+            if promoted:
+                total += vjp(k, k, b, inv)
+    return total
+
+
+def test_base_layout():
+    assert base_layout(5, 2, "causal") == causal_layout(5, 2)[0] == [0, 3]
+    assert base_layout(5, 2, "linear") == [0, 4]
+    assert base_layout(5, 3, "linear") == [0, 2, 4]
+    assert base_layout(8, 3, "linear") == [0, 4, 7]  # round(3.5) = 4
+    assert base_layout(6, 1, "linear") == [0]
+    assert base_layout(4, 4, "linear") == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("T", "B", "budget", "zero"),
+    [
+        (5, 4, 2.4, None),
+        (7, 5, 2.5, {1: slice(4, None), 3: slice(None, None)}),  # a short and an empty sample
+        (9, 3, 3.7, {0: slice(0, 2)}),  # a late span
+        (6, 4, 1.5, {2: slice(1, None)}),  # L = 1; one sample with one active step
+        (5, 1, 2.5, None),  # sum(c pi) < 1
+        (7, 3, 3.0, {0: slice(5, None)}),  # an integer budget: the base layout, nothing drawn
+        (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span
+    ],
+)
+@pytest.mark.parametrize("fold", ["causal", "linear"])
+@pytest.mark.parametrize("promotion", ["uniform", "proxy"])
+def test_promotion_to_exact_gradient_equals_brute_force(T, B, budget, zero, fold, promotion):
+    model, lat, up, values = _case(T, B, seed=T + 2 * B, zero=zero)
+    if promotion == "proxy":
+        up = up * torch.linspace(0.1, 3.0, B, dtype=F64).view(1, B, 1, 1)
+    t64 = _t(T)[:, None].expand(T, B)
+    for seed in (0, 1, 2, 3):
+        v, stats = jagg_trajectory(
+            model, lat, _t(T), window=2, fold=fold, deferred=True, values=values,
+            placement="stochastic", budget=budget, return_stats=True, promotion=promotion,
+            promote_to="exact", generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        got = params_grad((v * up).sum(), model)
+        draw = torch.rand(B + 1, generator=torch.Generator().manual_seed(seed))
+        ch = stochastic_choice(up, budget, draw, promotion=promotion, promote_to="exact",
+                               fold=fold, values=values, t64=t64)  # fmt: skip
+        assert torch.equal(ch.mask, stats.anchor_mask)
+        want = _exact_reference(model, lat, up, stats.anchor_mask, budget, fold, ch.pi)
+        assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("fold", ["causal", "linear"])
+@pytest.mark.parametrize("promotion", ["uniform", "proxy"])
+def test_promotion_to_exact_expectation_is_the_exact_gradient(fold, promotion):
+    """Integrated exactly over the offset (a fixed order), the estimator is the exact
+    gradient of this batch -- whatever the base fold's error, the linear fold's
+    noise-driven one included -- while no single draw is, and the expected anchor count is
+    the budget's."""
+    T, B, budget = 6, 5, 2.5
+    model, lat, up, values = _case(T, B, seed=17, zero={4: slice(0, 2)})  # a shorter span
+    up = up * torch.tensor([0.05, 0.5, 1.0, 2.0, 6.0], dtype=F64).view(1, B, 1, 1)
+    t64 = _t(T)[:, None].expand(T, B)
+    order_draw = torch.rand(B, generator=torch.Generator().manual_seed(0))
+
+    def choice(u):
+        return stochastic_choice(up, budget, torch.cat([order_draw, torch.tensor([u])]),
+                                 promotion=promotion, promote_to="exact", fold=fold,
+                                 values=values, t64=t64)  # fmt: skip
+
+    ch = choice(0.0)
+    costs = torch.tensor([T - 2] * 4 + [T - 2 - 2], dtype=F64)  # n_b - L
+    assert abs(float((ch.pi * costs).sum()) - 0.5 * B) < 1e-9
+    if promotion == "proxy":
+        assert ch.pi[3] > ch.pi[0]
+    mean, anchors, draws = 0.0, 0.0, []
+    pieces = _pieces(ch.pi.cpu(), order_draw.to(F64).argsort())
+    for u, w in pieces:
+        c = choice(u)
+        g = _exact_reference(model, lat, up, c.mask, budget, fold, c.pi)
+        mean = mean + w * g
+        anchors += w * float(c.mask.sum())
+        draws.append(g)
+    exact = causal_reference(model, lat, _t(T), up, torch.ones((T, B), dtype=torch.bool))
+    assert len(pieces) > 2 and rel_err(mean, exact) < 1e-12
+    assert min(rel_err(g, exact) for g in draws) > 1e-4
+    assert abs(anchors - budget * B) < 1e-9
+
+
+@settings(max_examples=25 if os.environ.get("CI") else 200, deadline=None)
+@given(B=st.integers(1, 16), data=st.data())
+def test_promotion_probabilities_with_costs(B, data):
+    """With costs c_b (the anchors a promotion adds): sum c pi = frac n_p, every pi in
+    [PROXY_FLOOR pi_even, 1], equal weights give pi_even = frac n_p / sum c, unit costs
+    are costs=None bit for bit, and at equal cost a larger weight never gets less."""
+    seed = data.draw(st.integers(0, 2**16))
+    frac = data.draw(st.floats(0.01, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(B, generator=gen, dtype=F64) ** 4 * 10
+    w[torch.rand(B, generator=gen) < 0.2] = 0.0
+    promotable = torch.rand(B, generator=gen) < 0.8
+    c = torch.randint(1, 5, (B,), generator=gen).to(F64)
+    pi = promotion_probabilities(w, promotable, frac, c)
+    n_p = int(promotable.sum())
+    assert abs(float((pi * c).sum()) - frac * n_p) < 1e-9
+    assert bool((pi[~promotable] == 0).all())
+    if n_p:
+        even = frac * n_p / float(c[promotable].sum())
+        p = pi[promotable]
+        assert bool((p >= PROXY_FLOOR * even - 1e-12).all() and (p <= 1 + 1e-12).all())
+        flat = promotion_probabilities(torch.ones(B, dtype=F64), promotable, frac, c)
+        torch.testing.assert_close(flat[promotable], torch.full((n_p,), even, dtype=F64))
+        idx = promotable.nonzero().flatten().tolist()
+        for i in idx:
+            for j in idx:
+                if c[i] == c[j] and w[i] > w[j]:
+                    assert pi[i] >= pi[j] - 1e-12
+    ones = torch.ones(B, dtype=F64)
+    assert torch.equal(promotion_probabilities(w, promotable, frac, ones),
+                       promotion_probabilities(w, promotable, frac))  # fmt: skip
+    with pytest.raises(ValueError, match="costs must be >= 1"):
+        promotion_probabilities(w, torch.ones(B, dtype=torch.bool), frac, ones * 0.5)
+
+
+def test_promote_to_refusals():
+    lat = torch.randn(5, 2, 3, dtype=F64)
+    base = dict(window=2, deferred=True, placement="stochastic", budget=2.5)
+    model = MLPField(3, seed=0)
+    with pytest.raises(ValueError, match="promote_to must be one of"):
+        jagg_trajectory(model, lat, _t(5), fold="causal", promote_to="all", **base)
+    with pytest.raises(ValueError, match="promote_to='exact' applies to placement='stochastic'"):
+        jagg_trajectory(model, lat, _t(5), window=2, fold="causal", deferred=True,
+                        placement="adaptive",
+                        budget=2.5, promote_to="exact")  # fmt: skip
+    with pytest.raises(ValueError, match="needs fold='causal'"):  # the anchor target nests
+        jagg_trajectory(model, lat, _t(5), fold="linear", **base)
+    with pytest.raises(ValueError, match="promote_to must be one of"):
+        stochastic_choice(torch.ones(5, 2, 1), 2.5, torch.rand(3), promote_to="all")
+    with pytest.raises(ValueError, match="promote_to='anchor' needs fold='causal'"):
+        stochastic_choice(torch.ones(5, 2, 1), 2.5, torch.rand(3), fold="linear")
+    GRPOConfig(placement="stochastic", fold="linear", budget=2.5, promote_to="exact").validate()
+    with pytest.raises(ValueError, match="promote_to must be 'anchor' unless"):
+        GRPOConfig(placement="adaptive", budget=2.5, promote_to="exact").validate()
+
+
+def test_trainer_runs_promotion_to_exact_reproducibly():
+    from jagg_autograd.estimators import ESTIMATORS
+    from jagg_autograd.trainer import train
+
+    kw = dict(steps=2, prompts_per_step=2, group_size=4, num_steps=5, window=2,
+              eval_per_digit=1, progress=False, fold="linear", placement="stochastic",
+              budget=2.5, promote_to="exact", seed=0)  # fmt: skip
+    torch.manual_seed(1)
+    a = train(GRPOConfig(**kw))
+    torch.manual_seed(2)
+    b = train(GRPOConfig(**kw))
+    ra, rb = a["steps"][-1], b["steps"][-1]
+    assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
+    # 8 samples x 5 steps: 2 base anchors each; a promotion adds 3, sum(pi) = 8 / 6
+    assert ra["grad_samples"] in (8 * 2 + 3, 8 * 2 + 6)
+    desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
+    assert "stochastic placement budget 2.5 to exact" in desc

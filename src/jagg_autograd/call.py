@@ -42,6 +42,7 @@ from jagg_autograd.checks import (
     check_latents,
     check_model,
     check_placement,
+    check_promote_to,
     check_promotion,
     check_router,
     check_timesteps,
@@ -88,6 +89,7 @@ class JaggOptions:
     anchors: Sequence[int] | None = None
     generator: torch.Generator | None = None
     promotion: str = "uniform"
+    promote_to: str = "anchor"
 
 
 OPTION_NAMES = tuple(f.name for f in fields(JaggOptions))
@@ -219,12 +221,13 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     router = check_router(o.router)
     deferred = check_bool("deferred", o.deferred)
     fold = check_fold(o.fold)
-    placement = check_placement(o.placement, deferred, router, mode, fold)
+    placement = check_placement(o.placement, deferred, router, mode, fold, o.promote_to)
     budget = check_budget(o.budget, placement, latents.shape[0], float(n_anchors))
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
     generator = check_generator(o.generator, placement)
     promotion = check_promotion(o.promotion, placement)
+    promote_to = check_promote_to(o.promote_to, placement)
     return replace(
         o,
         mode=mode,
@@ -240,6 +243,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
         fold=fold,
         generator=generator,
         promotion=promotion,
+        promote_to=promote_to,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from jagg_autograd.distributed import BUFFER_SYNC_WITH_ROUTER, ddp_syncs_buffers
-from jagg_autograd.planner import PROMOTIONS
+from jagg_autograd.planner import PROMOTE_TO, PROMOTIONS
 from jagg_autograd.router import CosineRouter
 
 MODES = ("jagg", "exact")
@@ -310,6 +310,18 @@ def check_promotion(promotion: object, placement: str) -> str:
     return promotion
 
 
+def check_promote_to(promote_to: object, placement: str) -> str:
+    """What the stochastic placement promotes to (:data:`PROMOTE_TO`); anything but the
+    default is refused for other placements, which promote nothing."""
+    promote_to = check_choice("promote_to", promote_to, PROMOTE_TO)
+    if promote_to != "anchor" and placement != "stochastic":
+        raise ValueError(
+            f"promote_to={promote_to!r} applies to placement='stochastic' only, got "
+            f"placement={placement!r}"
+        )
+    return promote_to
+
+
 def check_tol(values_tol: object) -> float | None:
     if values_tol is None:
         return None
@@ -327,15 +339,20 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_placement(
-    placement: object, deferred: bool, router: object, mode: str, fold: str = "linear"
+    placement: object,
+    deferred: bool,
+    router: object,
+    mode: str,
+    fold: str = "linear",
+    promote_to: object = "anchor",
 ) -> str:
     """placement as a string, refusing the combinations the planned placements cannot run
-    (``fold``: the checked fold)."""
+    (``fold``: the checked fold; ``promote_to``: the stochastic placement's target)."""
     placement = check_choice("placement", placement, PLACEMENTS)
-    if placement == "stochastic" and fold != "causal":
+    if placement == "stochastic" and fold != "causal" and promote_to != "exact":
         raise ValueError(
-            f"placement='stochastic' needs fold='causal' (its rows nest by segment), got "
-            f"fold={fold!r}"
+            f"placement='stochastic' needs fold='causal' (its rows nest by segment) unless "
+            f"promote_to='exact', got fold={fold!r}, promote_to={promote_to!r}"
         )
     if placement != "uniform":
         if not deferred:

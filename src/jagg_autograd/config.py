@@ -22,7 +22,7 @@ from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.lr_schedule import LR_SCHEDULERS
 from jagg_autograd.nft import NFT_GRADIENTS, NFT_NOISES
-from jagg_autograd.planner import FOLDS, PROMOTIONS
+from jagg_autograd.planner import FOLDS, PROMOTE_TO, PROMOTIONS
 from jagg_autograd.rollout import STEP_SELECTIONS
 from jagg_autograd.router import DEFAULT_JAGG_FRAC, DEFAULT_THRESHOLD
 from jagg_autograd.tasks import GRPOTask, task_factory, task_names
@@ -172,7 +172,9 @@ class GRPOConfig:
                         "deferred; router: uniform) or stochastic (jagg, causal fold: "
                         "floor(budget) anchors per sample, each promoted to one more with "
                         "probability budget - floor(budget) and re-weighted, so the "
-                        "expectation is the (floor(budget)+1)-anchor causal fold; "
+                        "expectation is the (floor(budget)+1)-anchor causal fold; with "
+                        "--promote-to exact, to every trained step, so the expectation is "
+                        "the exact gradient, causal or linear fold; "
                         "jagg_autograd.planner.stochastic_choice)",
                         choices=PLACEMENTS)  # fmt: skip
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
@@ -201,6 +203,12 @@ class GRPOConfig:
                         "or proxy (more often where the planner's proxy of the promoted "
                         "term is large, re-weighted by 1/probability: the same expectation, "
                         "less variance)", choices=PROMOTIONS)  # fmt: skip
+    promote_to: str = _f("anchor", "gradient", "stochastic placement: what a promoted "
+                         "sample gets -- anchor (one more nested anchor: the "
+                         "(floor(budget)+1)-anchor causal fold in expectation) or exact "
+                         "(every trained step, re-weighted: the exact gradient in "
+                         "expectation, from a causal or linear base fold)",
+                         choices=PROMOTE_TO)  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
                                 "jagg_trajectory's default)")  # fmt: skip
     lr: float = _f(1e-4, "optimisation", "AdamW learning rate (the peak, with a schedule)")
@@ -460,12 +468,15 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     # do not nest: refused.
     (("placement",),
      lambda v, c: v != "stochastic"
-     or (c.mode != "nft" and (c.mode != "jagg" or c.fold == "causal")),
-     "'uniform' or 'adaptive' with mode={c.mode!r}, fold={c.fold!r} ('stochastic' needs "
-     "fold='causal' with mode='jagg' and is not an nft placement: it re-weights the causal "
-     "fold's nested rows)"),
+     or (c.mode != "nft"
+         and (c.mode != "jagg" or c.fold == "causal" or c.promote_to == "exact")),
+     "'uniform' or 'adaptive' with mode={c.mode!r}, fold={c.fold!r}, "
+     "promote_to={c.promote_to!r} ('stochastic' needs fold='causal' (or promote_to='exact') "
+     "with mode='jagg' and is not an nft placement: it re-weights the fold's nested rows)"),
     (("promotion",), lambda v, c: v == "uniform" or c.placement == "stochastic",
      "'uniform' unless placement='stochastic' (nothing else promotes)"),
+    (("promote_to",), lambda v, c: v == "anchor" or c.placement == "stochastic",
+     "'anchor' unless placement='stochastic' (nothing else promotes)"),
     (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),
      "'cpu' or 'cuda' (or 'cuda:N')"),

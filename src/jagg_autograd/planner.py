@@ -92,10 +92,12 @@ class Plan:
         j * B + b: one stacked call), then the remaining anchor pairs in step-major order.
     whole_steps: anchor steps run for every sample as whole-step calls (eager layout).
     pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
-    promotion: placement="stochastic" only: (src, dst, inv_pi) -- src, dst (m,) int64 the
-        rows of the promoted anchors and of the base anchors their segments fold onto
-        without them, inv_pi (m,) float64 their 1 / pi_b; applied to the folded rows by
-        :func:`apply_promotion`.  None elsewhere.
+    promotion: placement="stochastic" only: (src, inv_pi, fsrc, fdst, fcoef) -- src (m,)
+        int64 the rows of the promoted anchors and inv_pi (m,) float64 their samples'
+        1 / pi_b; fsrc, fdst (e,) int64 a promoted row and a base anchor's row that the
+        base layout's fold puts (part of) its segment onto, fcoef (e,) float64 that fold
+        weight times (1 - 1 / pi_b); applied to the folded rows by :func:`apply_promotion`.
+        None elsewhere.
     """
 
     anchor_mask: torch.Tensor
@@ -105,7 +107,7 @@ class Plan:
     whole_steps: list[int]
     pair_k: torch.Tensor
     pair_b: torch.Tensor
-    promotion: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    promotion: tuple[torch.Tensor, ...] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -186,8 +188,10 @@ def make_plan(
     promotion = None
     if promoted is not None and promoted.b.numel():
         src = slots[promoted.k, promoted.b]
-        dst = slots[promoted.base, promoted.b]
-        promotion = (src, dst, promoted.inv_pi)
+        fsrc = slots[promoted.fold_k, promoted.fold_b]
+        fdst = slots[promoted.fold_dst, promoted.fold_b]
+        inv_pi_f = 1.0 / promoted.pi[promoted.fold_b]
+        promotion = (src, promoted.inv_pi, fsrc, fdst, promoted.fold_w * (1.0 - inv_pi_f))
     return Plan(anchor_mask, w_cur, w_nxt, slots, whole, ks, bs, promotion)
 
 
@@ -467,24 +471,34 @@ def proxy_cost(
 class StochasticChoice:
     """The stochastic planner's decision.
 
-    mask: (T, B) bool anchors, base and promoted; k, base, b: (m,) int64, each promoted
-    pair (k, b) and the base anchor (base, b) that k's segment folds onto when k is not an
-    anchor; inv_pi: (m,) float64, 1 / pi_b of each promoted sample; pi: (B,) float64 every
-    sample's promotion probability (0 for a sample with nothing to promote: an integer
-    budget, a short or an empty span).
+    mask: (T, B) bool anchors, base and promoted; k, b: (m,) int64 the promoted pairs
+    (k, b) and inv_pi: (m,) float64 their samples' 1 / pi_b; fold_k, fold_dst, fold_b,
+    fold_w: (e,) the base layout's fold of the promoted pairs -- pair (fold_k, fold_b)'s
+    segment goes onto base anchor (fold_dst, fold_b) with weight fold_w when it is not an
+    anchor (causal: its last base anchor, weight 1; linear: the two base anchors around it,
+    1 - alpha and alpha); pi: (B,) float64 every sample's promotion probability (0 for a
+    sample with nothing to promote: an integer budget, a short or an empty span).
     """
 
     mask: torch.Tensor
     k: torch.Tensor
-    base: torch.Tensor
     b: torch.Tensor
     inv_pi: torch.Tensor
+    fold_k: torch.Tensor
+    fold_dst: torch.Tensor
+    fold_b: torch.Tensor
+    fold_w: torch.Tensor
     pi: torch.Tensor
 
 
 PROMOTIONS = ("uniform", "proxy")
 """How the stochastic planner spreads its promotion probability over the samples
 (:func:`promotion_probabilities`)."""
+
+PROMOTE_TO = ("anchor", "exact")
+"""What the stochastic planner promotes a sample to (:func:`stochastic_choice`): the next
+nested anchor (the (L+1)-anchor causal fold in expectation) or every active step (the
+exact gradient in expectation)."""
 
 PROXY_FLOOR = 0.25
 """promotion="proxy": the share of the promotion budget spread uniformly, so that every
@@ -493,44 +507,59 @@ where the proxy underrates its error."""
 
 
 def promotion_probabilities(
-    weights: torch.Tensor, promotable: torch.Tensor, frac: float
+    weights: torch.Tensor,
+    promotable: torch.Tensor,
+    frac: float,
+    costs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B,) float64 promotion probabilities pi_b of the promotable samples, summing to
-    ``frac * n_p`` (n_p = promotable.sum()), each in (0, 1]; 0 elsewhere.
+    """(B,) float64 promotion probabilities pi_b of the promotable samples, each in (0, 1],
+    spending ``frac * n_p`` anchors in expectation (n_p = promotable.sum()): sum_b c_b pi_b
+    = frac * n_p with c_b = ``costs`` (B,) >= 1, the anchors a promotion of b adds (None:
+    1 each, and then sum pi_b = frac * n_p); 0 elsewhere.
 
-    weights: (B,) >= 0 the proxy of each sample's promotion term (None-like uniform: all
-    equal); promotable: (B,) bool.  pi = (1 - PROXY_FLOOR) pi_prop + PROXY_FLOOR frac,
-    pi_prop proportional to the weight and capped at 1 (water-filling: the capped
-    samples' excess goes to the rest in proportion), so the variance of the re-weighted
-    term, sum_b (1/pi_b - 1) ||D_b||^2, is near its minimum when weight_b ~ ||D_b|| while
-    no pi_b falls below PROXY_FLOOR * frac.  Equal weights (or all zero) give pi = frac.
+    weights: (B,) >= 0 the proxy of each sample's promotion term; promotable: (B,) bool.
+    pi = (1 - PROXY_FLOOR) pi_prop + PROXY_FLOOR pi_even: pi_even = frac n_p / sum c_b
+    the same for every promotable sample (frac with unit costs), pi_prop proportional to
+    weight_b / sqrt(c_b) and capped at 1 (water-filling: the capped samples' excess goes to
+    the rest in proportion).  The variance of the re-weighted term, sum_b (1/pi_b - 1)
+    ||D_b||^2, at a fixed expected cost sum_b c_b pi_b is smallest at pi_b ~ ||D_b|| /
+    sqrt(c_b), so pi_prop is near that optimum when weight_b ~ ||D_b||, while no pi_b
+    falls below PROXY_FLOOR * pi_even.  Equal weights (or all zero) give pi_even.
     """
     w = torch.where(promotable, weights.to(torch.float64).clamp_min(0.0), 0.0)
+    c = torch.ones_like(w) if costs is None else costs.to(w)
+    if not bool((c[promotable] >= 1.0).all()):
+        raise ValueError("costs must be >= 1 for every promotable sample")
+    c = torch.where(promotable, c, 0.0)
     n_p = int(promotable.sum())
     pi = torch.zeros_like(w)
     if n_p == 0 or frac <= 0.0:
         return pi
     total = frac * n_p
+    csum = float(c.sum())
+    # <= frac < 1 as every c_b >= 1; frac itself (not a rounded n_p frac / n_p) at unit costs
+    even = frac if csum == n_p else total / csum
     wp = w[promotable]
     if not bool(torch.isfinite(wp).all()) or bool((wp == wp[0]).all()):
-        # Equal (or unusable) weights: pi = frac exactly, the uniform promotion.
-        return torch.where(promotable, torch.full_like(w, frac), pi)
+        # Equal (or unusable) weights: the same probability for all, the uniform promotion.
+        return torch.where(promotable, torch.full_like(w, even), pi)
+    r = w / torch.where(promotable, c, 1.0).sqrt()
     prop = torch.zeros_like(w)
     capped = torch.zeros_like(promotable)
     for _ in range(n_p):  # each pass caps at least one more sample or stops
         free = promotable & ~capped
-        room = total - float(capped.sum())
-        ws = float(w[free].sum())
-        if ws <= 0.0:  # only zero weights are left: they share the rest evenly
-            prop = torch.where(free, room / max(int(free.sum()), 1), prop)
+        room = total - float(c[capped].sum())
+        rs = float((c * r)[free].sum())
+        if rs <= 0.0:  # only zero weights are left: they share the rest evenly
+            prop = torch.where(free, room / max(float(c[free].sum()), 1.0), prop)
             break
-        prop = torch.where(free, w * (room / ws), prop)
+        prop = torch.where(free, r * (room / rs), prop)
         over = free & (prop >= 1.0)
         if not bool(over.any()):
             break
         capped |= over
         prop = torch.where(capped, 1.0, prop)
-    pi = (1.0 - PROXY_FLOOR) * prop.clamp(0.0, 1.0) + PROXY_FLOOR * frac
+    pi = (1.0 - PROXY_FLOOR) * prop.clamp(0.0, 1.0) + PROXY_FLOOR * even
     return torch.where(promotable, pi, 0.0)
 
 
@@ -552,17 +581,31 @@ def systematic_sample(pi: torch.Tensor, order: torch.Tensor, u: float) -> torch.
     return chosen
 
 
+def base_layout(n: int, L: int, fold: str) -> list[int]:
+    """The L-anchor layout of n active steps that a sample keeps unpromoted with
+    ``promote_to="exact"``: ``causal_layout(n, L)`` for the causal fold; for the linear
+    fold the ends and L - 2 steps evenly between (every step inside [first, last] anchor,
+    where the linear fold reaches it; L = 1: the first step alone).  1 <= L <= n."""
+    if fold == "causal":
+        return causal_layout(n, L)[0]
+    if L == 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (L - 1)) for i in range(L)})
+
+
 def stochastic_choice(
     upstream: torch.Tensor,
     budget: float,
     draw: torch.Tensor,
     *,
     promotion: str = "uniform",
+    promote_to: str = "anchor",
+    fold: str = "causal",
     values: torch.Tensor | None = None,
     t64: torch.Tensor | None = None,
 ) -> StochasticChoice:
-    """Nested causal layouts with random promotion: the causal fold's (L+1)-anchor
-    expectation at a mean cost of ``budget`` anchors per active sample.
+    """Random promotion from a base layout: the expectation of a larger layout's fold (or of
+    the exact gradient) at a mean cost of ``budget`` anchors per active sample.
 
     upstream: (T, B, *S) the loss's gradients w.r.t. the velocities; budget: mean anchors
     per sample, L = floor(budget), frac = budget - L; draw: (B + 1,) uniforms in [0, 1)
@@ -572,39 +615,46 @@ def stochastic_choice(
     Sample b's active steps are f_b..l_b (first to last non-zero g; none: no anchor, its
     gradient is exactly 0), n_b of them.  With n_b <= L every active step is an anchor (the
     exact gradient).  An integer budget (frac = 0) is the deterministic L-anchor layout
-    ``f_b + causal_layout(n_b, L)``.  Otherwise the (L+1)-anchor layout ``f_b +
-    causal_layout(n_b, L+1)`` is F, its last anchor is k_b and the *base* layout is F
-    without k_b (nested in F, hence not ``causal_layout(n_b, L)``: shapes, 5 steps, L = 2:
-    {0, 2}, where ``causal_layout(5, 2)`` is {0, 3}).  Each of the n_p promotable samples
-    gets k_b as an anchor with probability pi_b (:func:`promotion_probabilities`, sum
-    frac * n_p), drawn by :func:`systematic_sample` -- floor(frac n_p) or one more promoted,
-    pi_b exact also when frac n_p < 1 -- and its composite rows are re-weighted
-    (:func:`apply_promotion`):
+    (``f_b + causal_layout(n_b, L)``; with ``promote_to="exact"``, ``f_b +
+    base_layout(n_b, L, fold)``).  Otherwise sample b has a *base* layout and a *full* one
+    that contains it, and F, F_base are their folds of sample b's g:
 
-        G_{k_b} <- G_{k_b} / pi_b,    G_{base_b} <- G_{base_b} + (1 - 1/pi_b) G_{k_b}
+    * ``promote_to="anchor"`` (causal fold only): the full layout is ``f_b +
+      causal_layout(n_b, L+1)``, the base is it without its last anchor k_b (nested, hence
+      not ``causal_layout(n_b, L)``: shapes, 5 steps, L = 2: {0, 2}, where
+      ``causal_layout(5, 2)`` is {0, 3}); a promotion adds c_b = 1 anchor;
+    * ``promote_to="exact"``: the full layout is every active step (F is the exact
+      gradient), the base ``f_b + base_layout(n_b, L, fold)``; a promotion adds
+      c_b = n_b - L anchors.  The expectation is the exact gradient for every batch, with
+      either fold: whatever mean error the base fold has (the linear fold's noise-driven
+      one included) is what the promoted samples' correction removes on average.
 
-    where G_{k_b} = sum over k_b's segment of g_j and base_b is the last base anchor.  The
-    estimator is  F_base + (1[promoted] / pi_b) (F - F_base)  per sample, so its
-    expectation over the draw is the (L+1)-anchor causal fold F *for every batch*:
-    conditionally unbiased whatever pi_b is, at the cost of L + pi_b anchors per
-    promotable sample (shapes, 5 trained steps, budget 2.4: the 3-anchor fold {0, 2, 4}
-    in expectation, {0, 2} or {0, 2, 4} per sample).  The price is variance,
-    sum_b (1/pi_b - 1) ||D_b||^2 with D_b = (J_{k_b} - J_{base_b})^T G_{k_b}:
+    Each promotable sample is promoted with probability pi_b
+    (:func:`promotion_probabilities`: sum_b c_b pi_b = frac * n_p, so the mean cost is
+    ``budget`` anchors per promotable sample), drawn by :func:`systematic_sample` (exact
+    inclusion probabilities, also when their sum is < 1), and its composite rows are
+    re-weighted (:func:`apply_promotion`): every promoted row G_k <- G_k / pi_b, and each
+    base anchor p that the base fold puts G_k onto with weight w_kp gets
+    G_p <- G_p + (1 - 1/pi_b) w_kp G_k.  The estimator is  F_base + (1[promoted] / pi_b)
+    (F - F_base)  per sample, so its expectation over the draw is F *for every batch*:
+    conditionally unbiased whatever pi_b is.  The price is variance,
+    sum_b (1/pi_b - 1) ||D_b||^2 with D_b = F - F_base:
 
-    * ``promotion="uniform"``: pi_b = frac for every promotable sample;
+    * ``promotion="uniform"``: the same pi_b for every promotable sample (frac with
+      ``promote_to="anchor"``);
     * ``promotion="proxy"``: pi_b grows with the planner's proxy of ||D_b||, the drop of
-      sum_k ||g_k|| ||v_k - v_hat_k|| (:func:`proxy_cost`, causal) when k_b is added
-      (needs ``values`` (T, B, *S) and ``t64`` (T, B)).  The proxy scales with |A_b|, so
-      the samples with large advantages are promoted more often -- a choice that depends
-      on the advantage, which the planners' invariant forbids for *deterministic*
-      decisions because it biases the mean; here the decision is a coin with known odds
-      and the weight 1/pi_b undoes it exactly, so the expectation is F for every batch
-      all the same, and the variance falls where the proxy tracks ||D_b|| (the
-      Horvitz-Thompson estimator with probabilities ~ size).
+      sum_k ||g_k|| ||v_k - v_hat_k|| (:func:`proxy_cost`, the fold's) from the base to the
+      full layout (needs ``values`` (T, B, *S) and ``t64`` (T, B)).  The proxy scales with
+      |A_b|, so the samples with large advantages are promoted more often -- a choice that
+      depends on the advantage, which the planners' invariant forbids for
+      *deterministic* decisions because it biases the mean; here the decision is a coin
+      with known odds and the weight 1/pi_b undoes it exactly, so the expectation is F for
+      every batch all the same, and the variance falls where the proxy tracks ||D_b||
+      (the Horvitz-Thompson estimator with probabilities ~ size).
 
-    The promotable anchor is the layout's last (its segment is the shortest and its held
-    Jacobian the nearest).  The causal fold only: the linear fold's rows are not nested
-    this way.
+    Shapes, 5 trained steps, budget 2.4: ``"anchor"`` gives the 3-anchor fold {0, 2, 4} in
+    expectation ({0, 2} or {0, 2, 4} per sample, pi = 0.4); ``"exact"`` the exact gradient
+    ({0, 3} or all 5 per sample, pi = 0.4 / 3).
     """
     T, B = upstream.shape[:2]
     dev = upstream.device
@@ -612,12 +662,19 @@ def stochastic_choice(
         raise ValueError(f"draw must be ({B + 1},) uniforms, got {tuple(draw.shape)}")
     if promotion not in PROMOTIONS:
         raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
+    if promote_to not in PROMOTE_TO:
+        raise ValueError(f"promote_to must be one of {PROMOTE_TO}, got {promote_to!r}")
+    check_fold(fold)
+    if promote_to == "anchor" and fold != "causal":
+        raise ValueError(
+            f"promote_to='anchor' needs fold='causal' (its rows nest by segment), got "
+            f"fold={fold!r}"
+        )
     first, last, n_act = (x.cpu() for x in _active_range(upstream))
     L = int(budget)
     frac = float(budget) - L
     mask = torch.zeros((T, B), dtype=torch.bool)
-    extra = torch.full((B,), -1, dtype=torch.long)
-    base_last = torch.full((B,), -1, dtype=torch.long)
+    extra = torch.zeros((T, B), dtype=torch.bool)  # the pairs a promotion adds
     for n in sorted(set(n_act.tolist()) - {0}):
         cols = (n_act == n).nonzero().flatten()
         f = first[cols]
@@ -625,53 +682,72 @@ def stochastic_choice(
             steps = f[None, :] + torch.arange(n)[:, None]
             mask[steps, cols[None, :].expand_as(steps)] = True
             continue
-        if frac == 0.0:
-            for a in causal_layout(n, L)[0]:
-                mask[f + a, cols] = True
-            continue
-        full = causal_layout(n, L + 1)[0]
-        for a in full[:-1]:
+        if promote_to == "anchor":
+            if frac == 0.0:
+                base, added = causal_layout(n, L)[0], []
+            else:
+                full = causal_layout(n, L + 1)[0]
+                base, added = full[:-1], full[-1:]
+        else:
+            base = base_layout(n, L, fold)
+            added = [] if frac == 0.0 else sorted(set(range(n)) - set(base))
+        for a in base:
             mask[f + a, cols] = True
-        extra[cols] = f + full[-1]
-        base_last[cols] = f + full[-2]
-    promotable = extra >= 0
+        for a in added:
+            extra[f + a, cols] = True
+    promotable = extra.any(0)
+    costs = extra.sum(0).to(torch.float64)
     weights = torch.ones(B, dtype=torch.float64)
     if promotion == "proxy" and bool(promotable.any()):
         if values is None or t64 is None:
             raise ValueError('promotion="proxy" needs the velocities (values) and t64')
-        full_mask = mask.clone()
-        cols = promotable.nonzero().flatten()
-        full_mask[extra[cols], cols] = True
-        drop = proxy_cost(values, upstream, t64, mask.to(dev), "causal") - proxy_cost(
-            values, upstream, t64, full_mask.to(dev), "causal"
+        drop = proxy_cost(values, upstream, t64, mask.to(dev), fold) - proxy_cost(
+            values, upstream, t64, (mask | extra).to(dev), fold
         )
         weights = drop.detach().cpu().to(torch.float64)
-    pi = promotion_probabilities(weights, promotable, frac)
+    pi = promotion_probabilities(weights, promotable, frac, costs)
     u = draw.detach().to("cpu", torch.float64)
     chosen = systematic_sample(pi, u[:B].argsort(), float(u[B])) & promotable
-    chosen = chosen.nonzero().flatten()
-    mask[extra[chosen], chosen] = True
+    ks, bs = (extra & chosen[None, :]).nonzero(as_tuple=True)  # step-major
+    # The base fold of the promoted pairs: onto the base anchors around them.
+    if fold == "linear":
+        if t64 is None:
+            raise ValueError("promote_to='exact' with fold='linear' needs t64")
+        w_cur, w_nxt = interpolation_weights(mask, t64.detach().to("cpu", torch.float64), fold)
+    else:
+        w_cur = torch.ones((T, B), dtype=torch.float64)
+        w_nxt = torch.zeros((T, B), dtype=torch.float64)
+    prev, nxt = anchor_neighbours(mask)
+    fk, fd, fb, fw = [], [], [], []
+    for nb, w in ((prev, w_cur), (nxt, w_nxt)):
+        keep = w[ks, bs] > 0
+        fk.append(ks[keep])
+        fd.append(nb[ks, bs][keep])
+        fb.append(bs[keep])
+        fw.append(w[ks, bs][keep])
+    mask[ks, bs] = True
     return StochasticChoice(
         mask.to(dev),
-        extra[chosen].to(dev),
-        base_last[chosen].to(dev),
-        chosen.to(dev),
-        (1.0 / pi[chosen]).to(dev),
+        ks.to(dev),
+        bs.to(dev),
+        (1.0 / pi[bs]).to(dev),
+        torch.cat(fk).to(dev),
+        torch.cat(fd).to(dev),
+        torch.cat(fb).to(dev),
+        torch.cat(fw).to(dev),
         pi.to(dev),
     )
 
 
 def apply_promotion(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """The stochastic estimator's composite rows from the causal fold's ``rows``
-    (n_rows, N) of ``plan``'s mask (:func:`stochastic_choice`); ``rows`` itself when the
-    plan promotes nothing.  Returns a new tensor."""
+    """The stochastic estimator's composite rows from the fold's ``rows`` (n_rows, N) of
+    ``plan``'s mask (:func:`stochastic_choice`); ``rows`` itself when the plan promotes
+    nothing.  Returns a new tensor."""
     if plan.promotion is None:
         return rows
-    src, dst, inv_pi = plan.promotion
-    moved = rows[src]
-    w = inv_pi.to(rows.dtype).unsqueeze(1)
-    out = rows.index_add(0, dst, moved * (1.0 - w))
-    out[src] = moved * w
+    src, inv_pi, fsrc, fdst, fcoef = plan.promotion
+    out = rows.index_add(0, fdst, rows[fsrc] * fcoef.to(rows.dtype).unsqueeze(1))
+    out[src] = rows[src] * inv_pi.to(rows.dtype).unsqueeze(1)
     return out
 
 
@@ -742,8 +818,9 @@ def choose_plan(
             call.B + 1, generator=gen, device=gen.device if gen is not None else "cpu"
         )
         choice = stochastic_choice(
-            upstream, opts.budget, draw, promotion=opts.promotion, values=values, t64=call.t64
-        )
+            upstream, opts.budget, draw, promotion=opts.promotion,
+            promote_to=opts.promote_to, fold=opts.fold, values=values, t64=call.t64,
+        )  # fmt: skip
         plan = make_plan(choice.mask, call.t64, fold=opts.fold, promoted=choice)
         return PlanChoice(plan, scores, none)
     else:

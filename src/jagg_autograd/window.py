@@ -80,6 +80,7 @@ def jagg_window(
     fold: str = "linear",
     generator: torch.Generator | None = None,
     promotion: str = "uniform",
+    promote_to: str = "anchor",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of one window of W >= 2 sampling steps, with the JAGG gradient.
 
@@ -133,12 +134,14 @@ def jagg_window(
             call at all).  Gradients reach parameters and cond tensors through autograd
             (``backward()``, ``autograd.grad``, hooks, accumulation, GradScaler).
         placement: "uniform" (the layout above; a router's routed-out samples get every
-            step of the window as anchors), "stochastic" (deferred, causal fold, no
-            router: each sample's (floor(budget)+1)-anchor causal layout without its last
-            anchor, promoted to the whole layout with probability pi = budget -
-            floor(budget) and its rows re-weighted by 1/pi, so the gradient's expectation
-            over the draw is the (floor(budget)+1)-anchor causal fold for every batch; an
-            integer budget is the floor(budget)-anchor layout, nothing drawn:
+            step of the window as anchors), "stochastic" (deferred, causal fold -- or
+            linear with promote_to="exact" --, no router: each sample's
+            (floor(budget)+1)-anchor causal layout without its last anchor, promoted to
+            the whole layout with probability pi = budget - floor(budget) and its rows
+            re-weighted by 1/pi, so the gradient's expectation over the draw is the
+            (floor(budget)+1)-anchor causal fold for every batch; an
+            integer budget is the floor(budget)-anchor layout, nothing drawn; with
+            promote_to="exact" the expectation is the exact gradient:
             ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
@@ -173,6 +176,10 @@ def jagg_window(
             planner's proxy of the promoted term, re-weighted by their inverse: the same
             expectation, less variance where the proxy tracks the term; see
             :func:`jagg_autograd.planner.stochastic_choice`).
+        promote_to: placement="stochastic" only: "anchor" (a promoted sample gets the next
+            nested causal anchor: the (L+1)-anchor causal fold in expectation) or "exact"
+            (a promoted sample gets every active step, re-weighted: the *exact* gradient in
+            expectation for every batch, with fold="causal" or "linear" as the base).
 
     Returns:
         velocities (W, B, *S) whose values equal ``model(latents[k], timesteps[k], **cond)``
@@ -217,6 +224,7 @@ def jagg_trajectory(
     anchors: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     promotion: str = "uniform",
+    promote_to: str = "anchor",
 ) -> torch.Tensor | tuple[torch.Tensor, JaggStats]:
     """Velocities of a whole T-step trajectory cut into JAGG windows of ``window`` steps.
 

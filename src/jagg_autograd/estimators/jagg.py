@@ -129,6 +129,8 @@ class JaggEstimator(Estimator):
                 kw["generator"] = generator
                 if c.promotion != "uniform":
                     kw["promotion"] = c.promotion
+                if c.promote_to != "anchor":
+                    kw["promote_to"] = c.promote_to
         return kw, "values+deferred" if reuse else "deferred"
 
     def loss(
@@ -170,6 +172,8 @@ class JaggEstimator(Estimator):
                 f"{cfg['placement']} placement" + (f" budget {budget:g}" if budget else "")
                 + (f", {cfg['promotion']} promotion"
                    if cfg.get("promotion", "uniform") != "uniform" else "")
+                + (f" to {cfg['promote_to']}"
+                   if cfg.get("promote_to", "anchor") != "anchor" else "")
             )  # fmt: skip
         if cfg.get("fold", "linear") != "linear":
             extras.append(f"{cfg['fold']} fold")
