@@ -23,12 +23,14 @@ for the linear fold.)  The planners differ only in the mask:
   sample's set minimises the proxy  sum_k ||g_k|| * ||v_k - v_hat_k||  (v_hat_k the
   fold's reconstruction of v_k from the step's anchors) for its anchor count, by dynamic
   programming over Gram matrices; every sample gets the same count (see below).
-* :func:`stochastic_choice` — the causal fold only: nested ``causal_layout`` sets per
-  sample and a random subset (the caller's generator, nothing else) promoted to the
-  larger one, sample b with probability pi_b and its rows re-weighted by 1/pi_b, so the
-  expectation over the draw is the larger layout's fold for every batch (:class:`Plan`'s
-  ``promotion``).  pi_b may depend on anything, the advantage included: a random decision
-  with known odds, undone by its weight, is the one kind the invariant below allows.
+* :func:`stochastic_choice` — a base layout per sample and a random subset (the caller's
+  generator, nothing else) promoted to a larger one, sample b with probability pi_b and
+  its rows re-weighted by 1/pi_b, so the expectation over the draw is the larger layout's
+  fold for every batch (:class:`Plan`'s ``promotion``): nested ``causal_layout`` sets
+  (``promote_to="anchor"``, the causal fold) or every active step (``"exact"``: the exact
+  gradient in expectation, from a causal or linear base).  pi_b may depend on anything,
+  the advantage included: a random decision with known odds, undone by its weight, is the
+  one kind the invariant below allows.
 
 Bias and the group-fairness invariant
 -------------------------------------
