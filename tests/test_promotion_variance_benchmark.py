@@ -1,7 +1,6 @@
 """benchmarks/promotion_variance.py --quick runs end to end; what does not depend on the
 draws is checked: every stochastic estimator spends floor or ceil of the same expected
-with-grad samples per draw, the deterministic folds their fixed counts, an estimator of
-the exact gradient has the same error against it as around its mean, and the summary is
+with-grad samples per draw, the deterministic folds their fixed counts, and the summary is
 the rows' figures."""
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ def test_promotion_variance_quick(run_benchmark) -> None:
             assert r["mean"] == "F3" and 8 + 1 <= r["grad_samples"] <= 8 + 2
         else:
             assert r["mean"] == "E" and r["grad_samples"] in (8.0, 9.5, 11.0)
-            assert r["mse_exact_rel"] == pytest.approx(r["var_rel"])
         assert r["var_rel"] >= 0 and -1 <= r["cos_exact"] <= 1
     s = res["summary"]
     assert s["anchor, proxy"]["var_rel"] == pytest.approx(row["stochastic"]["anchor, proxy"]["var_rel"])

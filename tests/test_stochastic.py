@@ -245,8 +245,8 @@ def test_apply_promotion_reweights_rows():
     plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
     rows = torch.arange(plan.n_rows, dtype=F64)[:, None] + 1.0
     out = apply_promotion(rows, plan)
-    src, _, fsrc, dst, fcoef = plan.promotion
-    assert torch.equal(fsrc, src) and fcoef.tolist() == [-1.0]
+    src, _, fsrc, dst, fw, finv = plan.promotion
+    assert torch.equal(fsrc, src) and fw.tolist() == [1.0] and finv.tolist() == [2.0]
     torch.testing.assert_close(out[src], 2.0 * rows[src])
     torch.testing.assert_close(out[dst], rows[dst] - rows[src])
     keep = torch.ones(plan.n_rows, dtype=torch.bool)
@@ -293,7 +293,7 @@ def test_bad_arguments_refused_before_any_model_call(kw, err, match):
 def test_config_refuses_stochastic_without_the_causal_jagg_fold():
     GRPOConfig(placement="stochastic", fold="causal", budget=2.5).validate()
     for budget in (0.5, 10.5):  # refused before the first rollout, not at its minibatch
-        with pytest.raises(ValueError, match=r"budget must be None or in \[1, T'=10\]"):
+        with pytest.raises(ValueError, match=r"in \[1 \(causal fold\) or 2 \(linear\), T'=10\]"):
             GRPOConfig(placement="stochastic", fold="causal", budget=budget).validate()
     for bad in ({"fold": "linear"}, {"mode": "nft"}):
         with pytest.raises(ValueError, match="'stochastic' needs"):
@@ -459,7 +459,8 @@ def _base_weights(base: list[int], k: int, t: torch.Tensor, fold: str):
 def _exact_reference(model, lat, up, mask, budget, fold, pi):
     """Brute force of promote_to="exact" from the definition: per sample the base layout's
     fold of its g, plus for a promoted sample (1/pi_b) (exact - base fold); a sample is
-    promoted when the mask holds every one of its n_b > L active steps."""
+    promoted when the mask holds more than its base layout's anchors (then every active
+    step with a non-zero g)."""
     T, B = mask.shape
     t = _t(T)
     L = int(budget)
@@ -479,9 +480,12 @@ def _exact_reference(model, lat, up, mask, budget, fold, pi):
             base = list(range(f, f + n))
         elif fold == "causal":
             base = [f + a for a in causal_layout(n, L)[0]]
-        else:  # the ends and L - 2 steps evenly between
-            base = [f] if L == 1 else [f + round(i * (n - 1) / (L - 1)) for i in range(L)]
-        promoted = n > L and budget > L and int(mask[:, b].sum()) == n
+        else:  # the ends and L - 2 steps evenly between (L >= 2)
+            base = [f + round(i * (n - 1) / (L - 1)) for i in range(L)]
+        anchors = mask[:, b].nonzero().flatten().tolist()
+        promoted = len(anchors) > len(base)
+        want = set(base) | {k for k in range(f, f + n) if promoted and bool(nz[k, b])}
+        assert set(anchors) == want  # a zero-g step is never promoted
         inv = 1.0 / float(pi[b]) if promoted else 0.0
         for k in range(f, f + n):
             for a, w in _base_weights(base, k, t, fold):
@@ -496,8 +500,9 @@ def test_base_layout():
     assert base_layout(5, 2, "linear") == [0, 4]
     assert base_layout(5, 3, "linear") == [0, 2, 4]
     assert base_layout(8, 3, "linear") == [0, 4, 7]  # round(3.5) = 4
-    assert base_layout(6, 1, "linear") == [0]
     assert base_layout(4, 4, "linear") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="needs 2 <= L <= n"):
+        base_layout(6, 1, "linear")  # one anchor would drop every later step's g
 
 
 @pytest.mark.parametrize(
@@ -506,10 +511,11 @@ def test_base_layout():
         (5, 4, 2.4, None),
         (7, 5, 2.5, {1: slice(4, None), 3: slice(None, None)}),  # a short and an empty sample
         (9, 3, 3.7, {0: slice(0, 2)}),  # a late span
-        (6, 4, 1.5, {2: slice(1, None)}),  # L = 1; one sample with one active step
+        (6, 4, 1.5, {2: slice(1, None)}),  # L = 1 (causal only); one active step
         (5, 1, 2.5, None),  # sum(c pi) < 1
         (7, 3, 3.0, {0: slice(5, None)}),  # an integer budget: the base layout, nothing drawn
-        (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span
+        (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span: never promoted
+        (6, 6, 4.9, None),  # several samples promoted in one draw
     ],
 )
 @pytest.mark.parametrize("fold", ["causal", "linear"])
@@ -519,7 +525,13 @@ def test_promotion_to_exact_gradient_equals_brute_force(T, B, budget, zero, fold
     if promotion == "proxy":
         up = up * torch.linspace(0.1, 3.0, B, dtype=F64).view(1, B, 1, 1)
     t64 = _t(T)[:, None].expand(T, B)
-    for seed in (0, 1, 2, 3):
+    if fold == "linear" and budget < 2:
+        with pytest.raises(ValueError, match=r"budget .* \[2, T=6\] .* fold='linear'"):
+            jagg_trajectory(model, lat, _t(T), window=2, fold=fold, deferred=True,
+                            placement="stochastic", budget=budget, promote_to="exact")  # fmt: skip
+        return
+    n_promoted = []
+    for seed in range(6):
         v, stats = jagg_trajectory(
             model, lat, _t(T), window=2, fold=fold, deferred=True, values=values,
             placement="stochastic", budget=budget, return_stats=True, promotion=promotion,
@@ -532,6 +544,9 @@ def test_promotion_to_exact_gradient_equals_brute_force(T, B, budget, zero, fold
         assert torch.equal(ch.mask, stats.anchor_mask)
         want = _exact_reference(model, lat, up, stats.anchor_mask, budget, fold, ch.pi)
         assert rel_err(got, want) < 1e-12
+        n_promoted.append(int(ch.b.unique().numel()))
+    if budget != int(budget):  # the promoted path ran (several samples at once at 4.9)
+        assert max(n_promoted) >= (2 if budget == 4.9 else 1)
 
 
 @pytest.mark.parametrize("fold", ["causal", "linear"])
@@ -599,11 +614,26 @@ def test_promotion_probabilities_with_costs(B, data):
             for j in idx:
                 if c[i] == c[j] and w[i] > w[j]:
                     assert pi[i] >= pi[j] - 1e-12
-    ones = torch.ones(B, dtype=F64)
-    assert torch.equal(promotion_probabilities(w, promotable, frac, ones),
-                       promotion_probabilities(w, promotable, frac))  # fmt: skip
     with pytest.raises(ValueError, match="costs must be >= 1"):
-        promotion_probabilities(w, torch.ones(B, dtype=torch.bool), frac, ones * 0.5)
+        promotion_probabilities(w, torch.ones(B, dtype=torch.bool), frac,
+                                torch.full((B,), 0.5, dtype=F64))  # fmt: skip
+
+
+def test_promotion_probabilities_by_hand():
+    """Water-filling worked by hand: unit costs (one sample capped at 1) and costs."""
+    w = torch.tensor([1.0, 3.0, 0.0, 6.0], dtype=F64)
+    every = torch.ones(4, dtype=torch.bool)
+    # Unit costs, frac 0.5: total 2; prop 2w/10 caps sample 3 at 1, the other 1 goes to w
+    # 1, 3, 0 as 1/4, 3/4, 0; pi = 0.75 prop + 0.25 * 0.5.
+    want = torch.tensor([0.3125, 0.6875, 0.125, 0.875], dtype=F64)
+    torch.testing.assert_close(promotion_probabilities(w, every, 0.5), want, rtol=0, atol=1e-15)
+    # Costs 1, 2, 1, 3: r = w / sqrt(c), prop = r * 2 / sum(c r) (none capped), pi_even 2/7.
+    c = torch.tensor([1.0, 2.0, 1.0, 3.0], dtype=F64)
+    r = torch.tensor([1.0, 3.0 / 2**0.5, 0.0, 6.0 / 3**0.5], dtype=F64)
+    want = 0.75 * r * 2.0 / float((c * r).sum()) + 0.25 * 2.0 / 7.0
+    torch.testing.assert_close(promotion_probabilities(w, every, 0.5, c), want, rtol=0,
+                               atol=1e-15)  # fmt: skip
+    assert abs(float((want * c).sum()) - 2.0) < 1e-12
 
 
 def test_promote_to_refusals():
@@ -622,7 +652,14 @@ def test_promote_to_refusals():
         stochastic_choice(torch.ones(5, 2, 1), 2.5, torch.rand(3), promote_to="all")
     with pytest.raises(ValueError, match="promote_to='anchor' needs fold='causal'"):
         stochastic_choice(torch.ones(5, 2, 1), 2.5, torch.rand(3), fold="linear")
+    for fold, budget in (("causal", 0.5), ("linear", 1.5)):  # direct calls too
+        with pytest.raises(ValueError, match=f"budget must be >= {1 if fold == 'causal' else 2}"):
+            stochastic_choice(torch.ones(5, 2, 1), budget, torch.rand(3), promote_to="exact",
+                              fold=fold, t64=torch.rand(5, 2))  # fmt: skip
     GRPOConfig(placement="stochastic", fold="linear", budget=2.5, promote_to="exact").validate()
+    with pytest.raises(ValueError, match=r"budget must be None or in \[1 \(causal fold\)"):
+        GRPOConfig(placement="stochastic", fold="linear", budget=1.5,
+                   promote_to="exact").validate()  # fmt: skip
     with pytest.raises(ValueError, match="promote_to must be 'anchor' unless"):
         GRPOConfig(placement="adaptive", budget=2.5, promote_to="exact").validate()
 
@@ -644,3 +681,16 @@ def test_trainer_runs_promotion_to_exact_reproducibly():
     assert ra["grad_samples"] in (8 * 2 + 3, 8 * 2 + 6)
     desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
     assert "stochastic placement budget 2.5 to exact" in desc
+
+
+def test_promotion_to_exact_is_not_marked_as_the_linear_fold():
+    """The fold guard warns about non-zero-mean advantages on the linear fold's graphs;
+    promotion to exact from a linear base is unbiased for any advantages."""
+    from jagg_autograd.fold_guard import folds_in_graph
+
+    model, lat, up, values = _case(5, 3, seed=2)
+    kw = dict(window=2, deferred=True, values=values, placement="stochastic", budget=2.5)
+    v = jagg_trajectory(model, lat, _t(5), fold="linear", promote_to="exact", **kw)
+    assert "linear" not in folds_in_graph(v)
+    v = jagg_trajectory(model, lat, _t(5), window=2, deferred=True, values=values)
+    assert folds_in_graph(v) == {"linear"}  # the guard still sees the plain linear fold

@@ -222,7 +222,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     deferred = check_bool("deferred", o.deferred)
     fold = check_fold(o.fold)
     placement = check_placement(o.placement, deferred, router, mode, fold, o.promote_to)
-    budget = check_budget(o.budget, placement, latents.shape[0], float(n_anchors))
+    budget = check_budget(o.budget, placement, latents.shape[0], float(n_anchors), fold)
     values = check_values(o.values, latents)
     values_tol = check_tol(o.values_tol)
     generator = check_generator(o.generator, placement)

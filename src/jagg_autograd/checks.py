@@ -257,11 +257,13 @@ def check_values(values: object, latents: torch.Tensor) -> torch.Tensor | None:
     return values
 
 
-def check_budget(budget: object, placement: str, T: int, default: float) -> float:
+def check_budget(
+    budget: object, placement: str, T: int, default: float, fold: str = "causal"
+) -> float:
     """Mean anchors per sample of a planned placement (``default``, the layout's count,
     when None); refused for the uniform layout, which has no budget.  Adaptive needs 2
-    (a sample's first and last active step), stochastic 1 (the causal fold needs the
-    first only)."""
+    (a sample's first and last active step); stochastic 1 with the causal fold (it needs
+    the first only) and 2 with the linear fold (``promote_to="exact"``'s base: the ends)."""
     if budget is None:
         return default
     if placement == "uniform":
@@ -269,11 +271,13 @@ def check_budget(budget: object, placement: str, T: int, default: float) -> floa
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be None or a number of anchors per sample, got {budget!r}")
     if placement == "stochastic":
-        # The causal fold needs the first active step only; L = floor(budget) >= 1.
-        if not 1.0 <= float(budget) <= T:  # NaN fails too
+        # L = floor(budget) base anchors: the causal fold needs the first active step only,
+        # the linear fold both ends (one anchor would drop every later step's g).
+        lo = 1 if fold == "causal" else 2
+        if not lo <= float(budget) <= T:  # NaN fails too
             raise ValueError(
-                f"budget (mean anchors per sample) must be in [1, T={T}] for "
-                f"placement='stochastic', got {budget!r}"
+                f"budget (mean anchors per sample) must be in [{lo}, T={T}] for "
+                f"placement='stochastic' with fold={fold!r}, got {budget!r}"
             )
         return float(budget)
     if not 2.0 <= float(budget) <= T:  # NaN fails too

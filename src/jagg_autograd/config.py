@@ -169,12 +169,12 @@ class GRPOConfig:
                         "chunk (every minibatch; per-step-loop activation memory)")  # fmt: skip
     placement: str = _f("uniform", "gradient", "anchor placement: uniform (the window "
                         "layout), adaptive (chosen in the backward; every minibatch runs "
-                        "deferred; router: uniform) or stochastic (jagg, causal fold: "
-                        "floor(budget) anchors per sample, each promoted to one more with "
-                        "probability budget - floor(budget) and re-weighted, so the "
-                        "expectation is the (floor(budget)+1)-anchor causal fold; with "
-                        "--promote-to exact, to every trained step, so the expectation is "
-                        "the exact gradient, causal or linear fold; "
+                        "deferred; router: uniform) or stochastic (jagg: floor(budget) "
+                        "anchors per sample, a random subset promoted and re-weighted by "
+                        "1/probability -- causal fold, to one more anchor with probability "
+                        "budget - floor(budget): the (floor(budget)+1)-anchor causal fold in "
+                        "expectation; --promote-to exact, causal or linear fold, to every "
+                        "trained step: the exact gradient in expectation; "
                         "jagg_autograd.planner.stochastic_choice)",
                         choices=PLACEMENTS)  # fmt: skip
     fold: str = _f("linear", "gradient", "JAGG's fold of a step's gradient onto its anchors "
@@ -199,10 +199,11 @@ class GRPOConfig:
     budget: float | None = _f(None, "gradient", "adaptive / stochastic placement: mean "
                               "anchors per sample (None: the uniform count)")  # fmt: skip
     promotion: str = _f("uniform", "gradient", "stochastic placement: which samples are "
-                        "promoted -- uniform (each with probability budget - floor(budget)) "
-                        "or proxy (more often where the planner's proxy of the promoted "
-                        "term is large, re-weighted by 1/probability: the same expectation, "
-                        "less variance)", choices=PROMOTIONS)  # fmt: skip
+                        "promoted -- uniform (each with the same probability: budget - "
+                        "floor(budget) per added anchor) or proxy (more often where the "
+                        "planner's proxy of the promoted term is large, re-weighted by "
+                        "1/probability: the same expectation, less variance)",
+                        choices=PROMOTIONS)  # fmt: skip
     promote_to: str = _f("anchor", "gradient", "stochastic placement: what a promoted "
                          "sample gets -- anchor (one more nested anchor: the "
                          "(floor(budget)+1)-anchor causal fold in expectation) or exact "
@@ -461,8 +462,10 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
     (("budget",), _optional(lambda v, c: _is_real(v) and v > 0), "None or a finite number > 0"),
     # Checked here, not at the first minibatch after a rollout (jagg_trajectory's check).
     (("budget",),
-     lambda v, c: c.placement != "stochastic" or v is None or 1 <= v <= c.num_train_steps,
-     "None or in [1, T'={c.num_train_steps}] (the trained steps) for placement='stochastic'"),
+     lambda v, c: c.placement != "stochastic" or v is None
+     or (1 if c.fold == "causal" else 2) <= v <= c.num_train_steps,
+     "None or in [1 (causal fold) or 2 (linear), T'={c.num_train_steps}] (the trained "
+     "steps) for placement='stochastic'"),
     # exact, subsample and mixgrpo ignore the placement (and the router resolves it to
     # uniform) as they do adaptive's; nft would ignore it silently, the linear fold's rows
     # do not nest: refused.

@@ -75,7 +75,11 @@ def run_deferred(call: JaggCall) -> tuple[torch.Tensor, JaggStats | None]:
         stats.anchors = [] if plan is None else mask.any(1).nonzero().flatten().tolist()
     spec = DeferredSpec(call, caller, choice.plan, stats)
     out = DeferredJaggFunction.apply(spec, vals, *call.targets)
-    mark_fold(out, call.opts.fold)  # for the loss's guard (fold_guard)
+    # For the loss's guard (fold_guard).  Promotion to exact is unbiased for any
+    # advantages, whatever its base fold: no linear-fold warning for it.
+    o = call.opts
+    unbiased = o.placement == "stochastic" and o.promote_to == "exact"
+    mark_fold(out, "exact in expectation" if unbiased else o.fold)
     if ddp is not None:
         out = ddp_post_forward(ddp, out)
     return out, stats

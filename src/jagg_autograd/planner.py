@@ -94,12 +94,12 @@ class Plan:
         j * B + b: one stacked call), then the remaining anchor pairs in step-major order.
     whole_steps: anchor steps run for every sample as whole-step calls (eager layout).
     pair_k, pair_b: (n,) the remaining anchor pairs, step-major, in row order.
-    promotion: placement="stochastic" only: (src, inv_pi, fsrc, fdst, fcoef) -- src (m,)
-        int64 the rows of the promoted anchors and inv_pi (m,) float64 their samples'
+    promotion: placement="stochastic" only: (src, inv_pi, fsrc, fdst, fw, finv) -- src
+        (m,) int64 the rows of the promoted anchors and inv_pi (m,) float64 their samples'
         1 / pi_b; fsrc, fdst (e,) int64 a promoted row and a base anchor's row that the
-        base layout's fold puts (part of) its segment onto, fcoef (e,) float64 that fold
-        weight times (1 - 1 / pi_b); applied to the folded rows by :func:`apply_promotion`.
-        None elsewhere.
+        base layout's fold puts (part of) its segment onto, fw (e,) float64 that fold
+        weight and finv (e,) float64 the sample's 1 / pi_b; applied to the folded rows by
+        :func:`apply_promotion`.  None elsewhere.
     """
 
     anchor_mask: torch.Tensor
@@ -192,8 +192,8 @@ def make_plan(
         src = slots[promoted.k, promoted.b]
         fsrc = slots[promoted.fold_k, promoted.fold_b]
         fdst = slots[promoted.fold_dst, promoted.fold_b]
-        inv_pi_f = 1.0 / promoted.pi[promoted.fold_b]
-        promotion = (src, promoted.inv_pi, fsrc, fdst, promoted.fold_w * (1.0 - inv_pi_f))
+        finv = 1.0 / promoted.pi[promoted.fold_b]
+        promotion = (src, promoted.inv_pi, fsrc, fdst, promoted.fold_w, finv)
     return Plan(anchor_mask, w_cur, w_nxt, slots, whole, ks, bs, promotion)
 
 
@@ -503,9 +503,10 @@ nested anchor (the (L+1)-anchor causal fold in expectation) or every active step
 exact gradient in expectation)."""
 
 PROXY_FLOOR = 0.25
-"""promotion="proxy": the share of the promotion budget spread uniformly, so that every
-promotable sample keeps pi_b >= PROXY_FLOOR * frac and its weight 1 / pi_b stays bounded
-where the proxy underrates its error."""
+"""promotion="proxy": the share of the promotion budget spread evenly, so that every
+promotable sample keeps pi_b >= PROXY_FLOOR * pi_even (frac with unit costs,
+:func:`promotion_probabilities`) and its weight 1 / pi_b stays bounded where the proxy
+underrates its error."""
 
 
 def promotion_probabilities(
@@ -587,11 +588,12 @@ def base_layout(n: int, L: int, fold: str) -> list[int]:
     """The L-anchor layout of n active steps that a sample keeps unpromoted with
     ``promote_to="exact"``: ``causal_layout(n, L)`` for the causal fold; for the linear
     fold the ends and L - 2 steps evenly between (every step inside [first, last] anchor,
-    where the linear fold reaches it; L = 1: the first step alone).  1 <= L <= n."""
+    where the linear fold reaches it).  1 <= L <= n for the causal fold, 2 <= L <= n for
+    the linear one (one anchor would drop every later step's g)."""
     if fold == "causal":
         return causal_layout(n, L)[0]
-    if L == 1:
-        return [0]
+    if not 2 <= L <= n:
+        raise ValueError(f"the linear fold's base layout needs 2 <= L <= n, got L={L}, n={n}")
     return sorted({round(i * (n - 1) / (L - 1)) for i in range(L)})
 
 
@@ -625,9 +627,10 @@ def stochastic_choice(
       causal_layout(n_b, L+1)``, the base is it without its last anchor k_b (nested, hence
       not ``causal_layout(n_b, L)``: shapes, 5 steps, L = 2: {0, 2}, where
       ``causal_layout(5, 2)`` is {0, 3}); a promotion adds c_b = 1 anchor;
-    * ``promote_to="exact"``: the full layout is every active step (F is the exact
-      gradient), the base ``f_b + base_layout(n_b, L, fold)``; a promotion adds
-      c_b = n_b - L anchors.  The expectation is the exact gradient for every batch, with
+    * ``promote_to="exact"``: the full layout is every active step with a non-zero g (F is
+      the exact gradient), the base ``f_b + base_layout(n_b, L, fold)``; a promotion adds
+      the c_b <= n_b - L steps with a non-zero g outside the base (L >= 2 for the linear
+      fold).  The expectation is the exact gradient for every batch, with
       either fold: whatever mean error the base fold has (the linear fold's noise-driven
       one included) is what the promoted samples' correction removes on average.
 
@@ -672,9 +675,14 @@ def stochastic_choice(
             f"promote_to='anchor' needs fold='causal' (its rows nest by segment), got "
             f"fold={fold!r}"
         )
-    first, last, n_act = (x.cpu() for x in _active_range(upstream))
     L = int(budget)
     frac = float(budget) - L
+    if L < (1 if fold == "causal" else 2):
+        raise ValueError(
+            f"budget must be >= {1 if fold == 'causal' else 2} for fold={fold!r} (the "
+            f"base layout's anchors per sample), got {budget!r}"
+        )
+    first, last, n_act = (x.cpu() for x in _active_range(upstream))
     mask = torch.zeros((T, B), dtype=torch.bool)
     extra = torch.zeros((T, B), dtype=torch.bool)  # the pairs a promotion adds
     for n in sorted(set(n_act.tolist()) - {0}):
@@ -697,6 +705,10 @@ def stochastic_choice(
             mask[f + a, cols] = True
         for a in added:
             extra[f + a, cols] = True
+    if promote_to == "exact":
+        # A step whose g is 0 (inside a span: e.g. clipped) has a zero row in either
+        # layout: promoting it would cost a with-grad call and add nothing.
+        extra &= upstream.flatten(2).ne(0).any(-1).cpu()
     promotable = extra.any(0)
     costs = extra.sum(0).to(torch.float64)
     weights = torch.ones(B, dtype=torch.float64)
@@ -747,9 +759,16 @@ def apply_promotion(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
     nothing.  Returns a new tensor."""
     if plan.promotion is None:
         return rows
-    src, inv_pi, fsrc, fdst, fcoef = plan.promotion
-    out = rows.index_add(0, fdst, rows[fsrc] * fcoef.to(rows.dtype).unsqueeze(1))
-    out[src] = rows[src] * inv_pi.to(rows.dtype).unsqueeze(1)
+    src, inv_pi, fsrc, fdst, fw, finv = plan.promotion
+    dt = rows.dtype
+    # (1 - 1/pi) in the rows' dtype, then the fold weight: with weight 1 (the causal fold)
+    # the coefficient is bit for bit what it was before the weights existed.
+    coef = fw.to(dt) * (1.0 - finv.to(dt))
+    # Several promoted steps may fold onto one base anchor: index_add sums them (on CUDA
+    # in an unspecified order, so bit-reproducible there only with deterministic
+    # algorithms on).
+    out = rows.index_add(0, fdst, rows[fsrc] * coef.unsqueeze(1))
+    out[src] = rows[src] * inv_pi.to(dt).unsqueeze(1)
     return out
 
 
@@ -788,9 +807,10 @@ def choose_plan(
       a gradient the plan is a preview of what a call with grad would run;
     * placement="adaptive" (deferred): per-sample anchors chosen from ``upstream``
       (:func:`adaptive_choice`, ``round(budget * B)`` anchors over the batch);
-    * placement="stochastic" (deferred, causal fold): nested layouts with random
-      promotion (:func:`stochastic_choice`, pi_b by ``opts.promotion``), the draw from
-      ``opts.generator``.
+    * placement="stochastic" (deferred): a base layout per sample with random promotion
+      (:func:`stochastic_choice`: to the next nested causal anchor or, with
+      ``opts.promote_to="exact"``, to every active step; pi_b by ``opts.promotion``), the
+      draw from ``opts.generator``.
     """
     T, B, dev = call.T, call.B, call.latents.device
     opts = call.opts

@@ -134,15 +134,15 @@ def jagg_window(
             call at all).  Gradients reach parameters and cond tensors through autograd
             (``backward()``, ``autograd.grad``, hooks, accumulation, GradScaler).
         placement: "uniform" (the layout above; a router's routed-out samples get every
-            step of the window as anchors), "stochastic" (deferred, causal fold -- or
-            linear with promote_to="exact" --, no router: each sample's
-            (floor(budget)+1)-anchor causal layout without its last anchor, promoted to
-            the whole layout with probability pi = budget - floor(budget) and its rows
-            re-weighted by 1/pi, so the gradient's expectation over the draw is the
-            (floor(budget)+1)-anchor causal fold for every batch; an
-            integer budget is the floor(budget)-anchor layout, nothing drawn; with
-            promote_to="exact" the expectation is the exact gradient:
-            ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
+            step of the window as anchors), "stochastic" (deferred, no router; with
+            promote_to="anchor", the causal fold: each sample's (floor(budget)+1)-anchor
+            causal layout without its last anchor, promoted to the whole layout with
+            probability pi = budget - floor(budget) and its rows re-weighted by 1/pi, so
+            the gradient's expectation over the draw is the (floor(budget)+1)-anchor causal
+            fold for every batch; with promote_to="exact", causal or linear fold: a
+            floor(budget)-anchor base promoted to every active step, the expectation the
+            exact gradient; an integer budget is the floor(budget)-anchor layout, nothing
+            drawn: ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
