@@ -302,28 +302,30 @@ def check_generator(generator: object, placement: str) -> torch.Generator | None
     return generator
 
 
+def _check_promotion_option(
+    name: str, value: object, choices: tuple[str, ...], placement: str
+) -> str:
+    # One of ``choices`` (the first is the default); anything but the default is refused
+    # for placements other than stochastic, which promote nothing.
+    value = check_choice(name, value, choices)
+    if value != choices[0] and placement != "stochastic":
+        raise ValueError(
+            f"{name}={value!r} applies to placement='stochastic' only, got "
+            f"placement={placement!r}"
+        )
+    return value
+
+
 def check_promotion(promotion: object, placement: str) -> str:
     """How the stochastic placement spreads its promotions (:data:`PROMOTIONS`); anything
     but the default is refused for other placements, which promote nothing."""
-    promotion = check_choice("promotion", promotion, PROMOTIONS)
-    if promotion != "uniform" and placement != "stochastic":
-        raise ValueError(
-            f"promotion={promotion!r} applies to placement='stochastic' only, got "
-            f"placement={placement!r}"
-        )
-    return promotion
+    return _check_promotion_option("promotion", promotion, PROMOTIONS, placement)
 
 
 def check_promote_to(promote_to: object, placement: str) -> str:
     """What the stochastic placement promotes to (:data:`PROMOTE_TO`); anything but the
     default is refused for other placements, which promote nothing."""
-    promote_to = check_choice("promote_to", promote_to, PROMOTE_TO)
-    if promote_to != "anchor" and placement != "stochastic":
-        raise ValueError(
-            f"promote_to={promote_to!r} applies to placement='stochastic' only, got "
-            f"placement={placement!r}"
-        )
-    return promote_to
+    return _check_promotion_option("promote_to", promote_to, PROMOTE_TO, placement)
 
 
 def check_tol(values_tol: object) -> float | None:
