@@ -417,25 +417,35 @@ def test_proxy_promotion_needs_the_velocities():
         stochastic_choice(up, 2.5, torch.rand(3), promotion="proxy")
 
 
-def test_trainer_runs_proxy_promotion_reproducibly():
-    """--promotion proxy through the trainer: the run's own stream, promotions counted in
-    the with-grad samples, and the description names it."""
+@pytest.mark.parametrize(
+    ("extra", "grad_samples", "words"),
+    [
+        # 8 samples x 5 steps: 2 anchors each and sum(pi) = 4 promotions (floor or ceil)
+        ({"fold": "causal", "promotion": "proxy"}, (8 * 2 + 4, 8 * 2 + 3, 8 * 2 + 5),
+         "stochastic placement budget 2.5, proxy promotion"),
+        # 2 base anchors each; a promotion adds 3, sum(pi) = 8 / 6
+        ({"fold": "linear", "promote_to": "exact"}, (8 * 2 + 3, 8 * 2 + 6),
+         "stochastic placement budget 2.5 to exact"),
+    ],
+)  # fmt: skip
+def test_trainer_runs_promotions_reproducibly(extra, grad_samples, words):
+    """--promotion proxy and --promote-to exact through the trainer: the run's own stream,
+    promotions counted in the with-grad samples, and the description names them."""
     from jagg_autograd.estimators import ESTIMATORS
     from jagg_autograd.trainer import train
 
     kw = dict(steps=2, prompts_per_step=2, group_size=4, num_steps=5, window=2,
-              eval_per_digit=1, progress=False, fold="causal", placement="stochastic",
-              budget=2.5, promotion="proxy", seed=0)  # fmt: skip
+              eval_per_digit=1, progress=False, placement="stochastic", budget=2.5,
+              seed=0, **extra)  # fmt: skip
     torch.manual_seed(1)
     a = train(GRPOConfig(**kw))
     torch.manual_seed(2)
     b = train(GRPOConfig(**kw))
     ra, rb = a["steps"][-1], b["steps"][-1]
     assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
-    # 8 samples x 5 steps: 2 anchors each and sum(pi) = 4 promotions (floor or ceil)
-    assert ra["grad_samples"] in (8 * 2 + 4, 8 * 2 + 3, 8 * 2 + 5)
+    assert ra["grad_samples"] in grad_samples
     desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
-    assert "stochastic placement budget 2.5, proxy promotion" in desc
+    assert words in desc
 
 
 # ------------------------------------------------------------------- promotion to exact
@@ -662,25 +672,6 @@ def test_promote_to_refusals():
                    promote_to="exact").validate()  # fmt: skip
     with pytest.raises(ValueError, match="promote_to must be 'anchor' unless"):
         GRPOConfig(placement="adaptive", budget=2.5, promote_to="exact").validate()
-
-
-def test_trainer_runs_promotion_to_exact_reproducibly():
-    from jagg_autograd.estimators import ESTIMATORS
-    from jagg_autograd.trainer import train
-
-    kw = dict(steps=2, prompts_per_step=2, group_size=4, num_steps=5, window=2,
-              eval_per_digit=1, progress=False, fold="linear", placement="stochastic",
-              budget=2.5, promote_to="exact", seed=0)  # fmt: skip
-    torch.manual_seed(1)
-    a = train(GRPOConfig(**kw))
-    torch.manual_seed(2)
-    b = train(GRPOConfig(**kw))
-    ra, rb = a["steps"][-1], b["steps"][-1]
-    assert ra["grad_norm"] == rb["grad_norm"] and ra["loss"] == rb["loss"]
-    # 8 samples x 5 steps: 2 base anchors each; a promotion adds 3, sum(pi) = 8 / 6
-    assert ra["grad_samples"] in (8 * 2 + 3, 8 * 2 + 6)
-    desc = ESTIMATORS["jagg"].describe(kw | {"mode": "jagg", "shared_anchors": True})
-    assert "stochastic placement budget 2.5 to exact" in desc
 
 
 def test_promotion_to_exact_is_not_marked_as_the_linear_fold():
