@@ -1246,15 +1246,18 @@ def run_study(
     progress: bool = True,
     report_only: bool = False,
     resume: bool = False,
+    variants: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every (task, seed) job and the memory steps, aggregate, write the outputs.
 
     ``report_only``: train nothing; rebuild the outputs from ``out/raw`` (command, date,
-    duration and machine kept from the earlier quality.json).  ``resume``: keep the runs a
-    raw file already holds finished with these settings (:func:`finished_runs`) and train
-    only the others (a variant trained later than the rest: its time ratio then compares
-    runs made at different times, perhaps on another machine; the report marks it † and
-    does not judge its time target, :func:`timed_together`).
+    duration and machine kept from the earlier quality.json), for the earlier variants or,
+    given ``variants``, for these (runs merged into ``raw/`` from another study).
+    ``resume``: keep the runs a raw file already holds finished with these settings
+    (:func:`finished_runs`) and train only the others (a variant trained later than the
+    rest: its time ratio then compares runs made at different times, perhaps on another
+    machine; the report marks it † and does not judge its time target,
+    :func:`timed_together`).
     """
     t0 = time.perf_counter()
     raw = out / "raw"
@@ -1269,7 +1272,9 @@ def run_study(
         old = json.loads((out / "quality.json").read_text(encoding="utf-8"))
         run = {k: old[k] for k in ("command", "date", "machine", "wall_seconds", "workers")}
         studies = {t: v["study"] for t, v in old["tasks"].items()}
-        names = {t: v["variants"] for t, v in old["tasks"].items()}
+        names = {t: list(variants or v["variants"]) for t, v in old["tasks"].items()}
+        for t, st in studies.items():
+            st["variants"] = names[t]
     else:
         names = {t: st["variants"] for t, st in studies.items()}
         jobs = []
@@ -1378,7 +1383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true",
                    help="print the runs and their estimated time (COSTS), run nothing")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
-                   help="rebuild quality.json, QUALITY.md, plots from --out's raw/")  # fmt: skip
+                   help="rebuild quality.json, QUALITY.md, plots from --out's raw/ (with "
+                   "--variants: for these, e.g. runs merged from another study)")  # fmt: skip
     p.add_argument("--resume", action="store_true",
                    help="keep the raw logs' finished runs with these settings; train the "
                    "rest")  # fmt: skip
@@ -1412,7 +1418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     out = Path(args.out or ("benchmarks/results/quality3" + ("_quick" if args.quick else "")))
     res = run_study(studies, out, workers, progress=not args.no_progress,
-                    report_only=args.report_only, resume=args.resume)  # fmt: skip
+                    report_only=args.report_only, resume=args.resume,
+                    variants=want)  # fmt: skip
     print((out / "QUALITY.md").read_text(encoding="utf-8").split("\n## digits")[0])
     print(f"[quality] {res['wall_seconds']:.0f} s; outputs in {out}")
     return 0

@@ -421,6 +421,13 @@ def test_resume_trains_only_the_added_variant(tmp_path: Path):
     t = res["tasks"]["digits"]
     assert t["variants"] == ["exact"] and list(t["aggregate"]) == ["exact"]
     assert t["per_seed"]["2"]["exact"]["train_seconds"] == first["train_seconds"]
+    # --report-only --variants: the report of every run the raw file holds, trained nothing.
+    res = run_study({}, out, progress=False, report_only=True, variants=names)
+    t = res["tasks"]["digits"]
+    assert t["variants"] == names and list(t["aggregate"]) == names
+    assert t["study"]["variants"] == names
+    assert t["per_seed"]["2"]["exact"]["train_seconds"] == first["train_seconds"]
+    assert "uniform_causal" in (out / "QUALITY.md").read_text()
 
 
 def test_pinned_variant_settings_survive_the_study_settings():
