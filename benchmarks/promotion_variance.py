@@ -3,8 +3,9 @@
     python -m benchmarks.promotion_variance               # 2 x 16 samples, 3 batches, 10 draws
     python -m benchmarks.promotion_variance --quick       # the test configuration (seconds)
 
-``placement="stochastic"`` at budget 2.4 promotes a random subset of the samples and
-re-weights it by 1/pi_b, so its expectation over the draw is fixed for every batch:
+``placement="stochastic"`` at budget 2.4 (and 2.9: the budget lever) promotes a random
+subset of the samples and re-weights it by 1/pi_b, so its expectation over the draw is
+fixed for every batch:
 
 * ``promote_to="anchor"``: the 3-anchor causal fold F3 (the study's ``uniform_causal_w4``);
 * ``promote_to="exact"``: the exact GRPO gradient E, from the causal base {0, 3} or JAGG's
@@ -57,6 +58,9 @@ STOCHASTIC = {
     "anchor, proxy": ("stochastic_proxy_causal_b2_4", "F3"),
     "exact from causal, uniform": ("stochastic_exact_causal_b2_4", "E"),
     "exact from causal, proxy": ("stochastic_exact_proxy_causal_b2_4", "E"),
+    # The budget lever: pi = 0.3 instead of 0.133 (sixteenth session).
+    "exact from causal, uniform, budget 2.9": ("stochastic_exact_causal_b2_9", "E"),
+    "exact from causal, proxy, budget 2.9": ("stochastic_exact_proxy_causal_b2_9", "E"),
     "exact from linear, uniform": ("stochastic_exact_linear_b2_4", "E"),
     "exact from linear, proxy": ("stochastic_exact_proxy_linear_b2_4", "E"),
 }
@@ -133,8 +137,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"`{res['command']}` at {res['date']} (commit {res['machine'].get('git_commit', '?')});"
         f" {cfg['prompts_per_step']} x {cfg['group_size']} samples per batch, the study's "
         f"5 trained steps at the shipped weights, {cfg['draws']} draws per stochastic "
-        "estimator, budget 2.4.  E: the exact gradient; F3: the 3-anchor causal fold; "
-        "mean: the estimator's expectation over the draw (F3 or E).",
+        "estimator, budget 2.4 unless the label names another.  E: the exact gradient; "
+        "F3: the 3-anchor causal fold; mean: the estimator's expectation over the draw (F3 or E).",
         "",
         "| batch | estimator | mean | var / \\|mean\\|² | mse / \\|E\\|² | "
         "\\|draws' mean − mean\\| / \\|mean\\| | cos to exact | grad samples |",

@@ -49,7 +49,8 @@ NAMES = {
                "adaptive_causal_b2", "adaptive_causal_b2_5", "stochastic_causal_b2_5",
                "stochastic_causal_b2_4", "stochastic_proxy_causal_b2_4",
                "stochastic_exact_causal_b2_4", "stochastic_exact_proxy_causal_b2_4",
-               "stochastic_exact_proxy_causal_b3", "stochastic_exact_linear_b2_4",
+               "stochastic_exact_causal_b2_9", "stochastic_exact_proxy_causal_b2_9",
+               "stochastic_exact_linear_b2_4",
                "stochastic_exact_proxy_linear_b2_4"),
 }  # fmt: skip
 FLOORS = {
@@ -60,7 +61,7 @@ FLOORS = {
                "stochastic_causal_b2_5": 0.50, "stochastic_causal_b2_4": 0.48,
                "stochastic_proxy_causal_b2_4": 0.48, "stochastic_exact_causal_b2_4": 0.48,
                "stochastic_exact_proxy_causal_b2_4": 0.48,
-               "stochastic_exact_proxy_causal_b3": 0.60,
+               "stochastic_exact_causal_b2_9": 0.58, "stochastic_exact_proxy_causal_b2_9": 0.58,
                "stochastic_exact_linear_b2_4": 0.48,
                "stochastic_exact_proxy_linear_b2_4": 0.48},
 }  # fmt: skip
