@@ -523,7 +523,7 @@ def test_base_layout():
         (9, 3, 3.7, {0: slice(0, 2)}),  # a late span
         (6, 4, 1.5, {2: slice(1, None)}),  # L = 1 (causal only); one active step
         (5, 1, 2.5, None),  # sum(c pi) < 1
-        (7, 3, 3.0, {0: slice(5, None)}),  # an integer budget: the base layout, nothing drawn
+        (7, 3, 3.0, {0: slice(5, None)}),  # an integer budget promotes nothing: refused
         (8, 3, 2.5, {1: slice(2, 4)}),  # a gap of zero g inside a span: never promoted
         (6, 6, 4.9, None),  # several samples promoted in one draw
     ],
@@ -537,6 +537,11 @@ def test_promotion_to_exact_gradient_equals_brute_force(T, B, budget, zero, fold
     t64 = _t(T)[:, None].expand(T, B)
     if fold == "linear" and budget < 2:
         with pytest.raises(ValueError, match=r"budget .* \[2, T=6\] .* fold='linear'"):
+            jagg_trajectory(model, lat, _t(T), window=2, fold=fold, deferred=True,
+                            placement="stochastic", budget=budget, promote_to="exact")  # fmt: skip
+        return
+    if budget == int(budget):  # the base layout, not E in expectation (check_promoting_budget)
+        with pytest.raises(ValueError, match="budget must be fractional"):
             jagg_trajectory(model, lat, _t(T), window=2, fold=fold, deferred=True,
                             placement="stochastic", budget=budget, promote_to="exact")  # fmt: skip
         return
@@ -672,6 +677,19 @@ def test_promote_to_refusals():
                    promote_to="exact").validate()  # fmt: skip
     with pytest.raises(ValueError, match="promote_to must be 'anchor' unless"):
         GRPOConfig(placement="adaptive", budget=2.5, promote_to="exact").validate()
+    # An integer budget (None: the layout's count) promotes nothing: the base layout's
+    # fold, not the exact gradient in expectation -- refused, by the config and the call.
+    for budget in (None, 2, 3.0):
+        with pytest.raises(ValueError, match="budget must be fractional"):
+            GRPOConfig(placement="stochastic", fold="causal", budget=budget,
+                       promote_to="exact").validate()  # fmt: skip
+        with pytest.raises(ValueError, match="budget must be fractional"):
+            # window 5: the layout's 2 anchors {0, 4} are None's budget
+            jagg_trajectory(model, lat, _t(5), window=5, deferred=True, fold="causal",
+                            placement="stochastic", budget=budget, promote_to="exact")  # fmt: skip
+    GRPOConfig(placement="stochastic", fold="causal", budget=2.0).validate()  # the 2-anchor fold
+    GRPOConfig(placement="stochastic", fold="causal", budget=5, num_steps=10,
+               timestep_fraction=0.5, promote_to="exact").validate()  # every step: exact
 
 
 def test_promotion_to_exact_is_not_marked_as_the_linear_fold():

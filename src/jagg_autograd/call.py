@@ -43,6 +43,7 @@ from jagg_autograd.checks import (
     check_model,
     check_placement,
     check_promote_to,
+    check_promoting_budget,
     check_promotion,
     check_router,
     check_timesteps,
@@ -228,6 +229,7 @@ def check_options(options: JaggOptions, latents: torch.Tensor, n_anchors: int) -
     generator = check_generator(o.generator, placement)
     promotion = check_promotion(o.promotion, placement)
     promote_to = check_promote_to(o.promote_to, placement)
+    check_promoting_budget(budget, promote_to, latents.shape[0])
     return replace(
         o,
         mode=mode,

@@ -328,6 +328,25 @@ def check_promote_to(promote_to: object, placement: str) -> str:
     return _check_promotion_option("promote_to", promote_to, PROMOTE_TO, placement)
 
 
+def promotes_to_exact(budget: float | None, T: int) -> bool:
+    """Whether ``promote_to="exact"`` at this budget (None: the layout's integer count) is
+    the exact gradient in expectation: a fractional budget promotes, one >= T makes every
+    step an anchor; an integer budget below T is the deterministic base layout (its fold's
+    error kept, the linear fold's noise-driven one included)."""
+    return budget is not None and (float(budget) >= T or float(budget) % 1.0 != 0.0)
+
+
+def check_promoting_budget(budget: float, promote_to: str, T: int) -> None:
+    """Refuses ``promote_to="exact"`` at a budget that promotes nothing: the caller asked for
+    the exact gradient in expectation and would get the base layout's fold."""
+    if promote_to == "exact" and not promotes_to_exact(budget, T):
+        raise ValueError(
+            f"budget must be fractional (say 2.4: 2 base anchors, 0.4 / c of the samples "
+            f"promoted) or >= T={T} with promote_to='exact', got {budget!r}: an integer "
+            "budget promotes nothing (the deterministic base layout, biased)"
+        )
+
+
 def check_tol(values_tol: object) -> float | None:
     if values_tol is None:
         return None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from jagg_autograd.checks import PLACEMENTS
+from jagg_autograd.checks import PLACEMENTS, promotes_to_exact
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.lr_schedule import LR_SCHEDULERS
@@ -480,6 +480,9 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
      "'uniform' unless placement='stochastic' (nothing else promotes)"),
     (("promote_to",), lambda v, c: v == "anchor" or c.placement == "stochastic",
      "'anchor' unless placement='stochastic' (nothing else promotes)"),
+    (("budget",), lambda v, c: c.promote_to != "exact" or promotes_to_exact(v, c.num_train_steps),
+     "fractional (say 2.4) or >= T'={c.num_train_steps} with promote_to='exact' (an integer "
+     "budget, or None, promotes nothing: the deterministic base layout)"),
     (("chunk_size",), _optional(lambda v, c: _is_int(v) and v >= 1), "None or an int >= 1"),
     (("device",), lambda v, c: isinstance(v, str) and v.split(":")[0] in ("cpu", "cuda"),
      "'cpu' or 'cuda' (or 'cuda:N')"),

@@ -620,7 +620,8 @@ def stochastic_choice(
     gradient is exactly 0), n_b of them.  With n_b <= L every active step is an anchor (the
     exact gradient).  An integer budget (frac = 0) is the deterministic L-anchor layout
     (``f_b + causal_layout(n_b, L)``; with ``promote_to="exact"``, ``f_b +
-    base_layout(n_b, L, fold)``).  Otherwise sample b has a *base* layout and a *full* one
+    base_layout(n_b, L, fold)``, which the calls refuse below T:
+    :func:`~jagg_autograd.checks.check_promoting_budget`).  Otherwise sample b has a *base* layout and a *full* one
     that contains it, and F, F_base are their folds of sample b's g:
 
     * ``promote_to="anchor"`` (causal fold only): the full layout is ``f_b +
