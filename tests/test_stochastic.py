@@ -92,7 +92,7 @@ def _reference(model, lat, up, mask, budget, pi=None):
             for k in range(f, f + n):
                 total += vjp(k, k, b, 1.0)
             continue
-        if frac == 0:  # an integer budget: the L-anchor layout, nothing drawn
+        if frac == 0:  # an integer budget: the L-anchor layout, nothing promoted
             full = [f + a for a in causal_layout(n, L)[0]] + [T]
         else:
             full = [f + a for a in causal_layout(n, L + 1)[0]]
@@ -255,6 +255,24 @@ def test_apply_promotion_reweights_rows():
     # Nothing promoted: the rows themselves.
     none = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal")
     assert apply_promotion(rows, none) is rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apply_promotion_reweights_low_precision_rows_in_float32(dtype):
+    """1/pi in bfloat16 would be one rounded factor shared by every promotion of a call (a
+    bias of the correction, not noise): the re-weighting runs in float32, cast once."""
+    T, B = 5, 3
+    up = torch.ones(T, B, 1, dtype=F64)
+    # pi = 0.35 / 3 per promotion to exact: 1/pi = 8.571..., not a bfloat16 number (at 2.4,
+    # 7.5 is); the offset 0.05 falls in the first sample's span
+    ch = stochastic_choice(up, 2.35, torch.tensor([0.1, 0.5, 0.9, 0.05]), promote_to="exact")
+    assert ch.b.numel() > 0
+    plan = make_plan(ch.mask, _t(T)[:, None].expand(T, B), fold="causal", promoted=ch)
+    rows = torch.randn(plan.n_rows, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = apply_promotion(rows, plan)
+    assert got.dtype == dtype
+    want = apply_promotion(rows.float(), plan).to(dtype)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -688,6 +706,21 @@ def test_promote_to_refusals():
             jagg_trajectory(model, lat, _t(5), window=5, deferred=True, fold="causal",
                             placement="stochastic", budget=budget, promote_to="exact")  # fmt: skip
     GRPOConfig(placement="stochastic", fold="causal", budget=2.0).validate()  # the 2-anchor fold
+    # The router (which resolves the placement to uniform), exact, subsample and mixgrpo
+    # would drop the promotion silently: a run asked to be exact in expectation would not be.
+    for mode in ("router", "exact", "subsample", "mixgrpo"):
+        with pytest.raises(ValueError, match="promote_to must be 'anchor' unless"):
+            GRPOConfig(mode=mode, placement="stochastic", fold="linear", budget=2.4,
+                       promote_to="exact").validate()  # fmt: skip
+    # A fraction below 0.01: probabilities the float32 draw cannot realise, 1/pi exploding.
+    for promote_to in ("anchor", "exact"):
+        with pytest.raises(ValueError, match="fractional part is 0 or >= 0.01"):
+            GRPOConfig(placement="stochastic", fold="causal", budget=2.001,
+                       promote_to=promote_to).validate()  # fmt: skip
+        with pytest.raises(ValueError, match=r"budget - floor\(budget\) must be 0 or >= 0.01"):
+            jagg_trajectory(model, lat, _t(5), window=5, deferred=True, fold="causal",
+                            placement="stochastic", budget=2.001, promote_to=promote_to)  # fmt: skip
+    GRPOConfig(placement="stochastic", fold="causal", budget=2.01).validate()
     GRPOConfig(placement="stochastic", fold="causal", budget=5, num_steps=10,
                timestep_fraction=0.5, promote_to="exact").validate()  # every step: exact
 

@@ -111,7 +111,9 @@ class JaggStats:
     exact: bool, same shape: True where that sample's window got the exact gradient
         (mode="exact": everywhere, but nowhere under ``torch.no_grad()`` where no gradient
         exists; mode="jagg": where the router sent it -- also computed under no_grad, as a
-        preview of what a call with grad would route; placement="adaptive": all False).
+        preview of what a call with grad would route; placement="adaptive" or
+        "stochastic": all False, also for the samples a promotion to exact gives every
+        step -- ``anchor_mask`` shows those).
     grad_samples: samples the model was run on with grad.
     grad_forward_calls: model calls made with grad (their graphs are what the backward
         goes through); ``backward_calls`` is its former name, kept as an alias.

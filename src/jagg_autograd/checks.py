@@ -279,6 +279,12 @@ def check_budget(
                 f"budget (mean anchors per sample) must be in [{lo}, T={T}] for "
                 f"placement='stochastic' with fold={fold!r}, got {budget!r}"
             )
+        if not promotion_fraction_ok(float(budget)):
+            raise ValueError(
+                f"budget - floor(budget) must be 0 or >= {MIN_PROMOTION_FRAC} for "
+                f"placement='stochastic', got {budget!r}: the draw's float32 uniforms "
+                "cannot realise smaller promotion probabilities, and 1/pi would explode"
+            )
         return float(budget)
     if not 2.0 <= float(budget) <= T:  # NaN fails too
         raise ValueError(
@@ -326,6 +332,19 @@ def check_promote_to(promote_to: object, placement: str) -> str:
     """What the stochastic placement promotes to (:data:`PROMOTE_TO`); anything but the
     default is refused for other placements, which promote nothing."""
     return _check_promotion_option("promote_to", promote_to, PROMOTE_TO, placement)
+
+
+#: The smallest fractional part of a stochastic budget (0 aside): the promotion
+#: probabilities scale with it, the draw's float32 uniforms resolve 2^-24 (a pi of 1e-9
+#: would be realised as ~7e-9) and the 1/pi weights grow without bound.
+MIN_PROMOTION_FRAC = 0.01
+
+
+def promotion_fraction_ok(budget: float) -> bool:
+    """Whether budget - floor(budget) is 0 or at least :data:`MIN_PROMOTION_FRAC`."""
+    frac = budget % 1.0
+    # The tolerance keeps 2.01 (whose float fraction is 0.00999...) on the right side.
+    return frac == 0.0 or frac >= MIN_PROMOTION_FRAC - 1e-9
 
 
 def promotes_to_exact(budget: float | None, T: int) -> bool:

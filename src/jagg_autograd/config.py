@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-from jagg_autograd.checks import PLACEMENTS, promotes_to_exact
+from jagg_autograd.checks import (
+    MIN_PROMOTION_FRAC,
+    PLACEMENTS,
+    promotes_to_exact,
+    promotion_fraction_ok,
+)
 from jagg_autograd.estimators import ESTIMATORS, Estimator, get_estimator
 from jagg_autograd.grpo import shifted_sigma_schedule
 from jagg_autograd.lr_schedule import LR_SCHEDULERS
@@ -197,7 +202,9 @@ class GRPOConfig:
     guard_window: int = _f(10, "gradient", "GRPO steps of the runaway guard's baseline and "
                            "of its rolling median")  # fmt: skip
     budget: float | None = _f(None, "gradient", "adaptive / stochastic placement: mean "
-                              "anchors per sample (None: the uniform count)")  # fmt: skip
+                              "anchors per sample (None: the uniform count; stochastic: "
+                              "a fractional part of 0 or >= 0.01, not 0 with promote_to "
+                              "exact)")  # fmt: skip
     promotion: str = _f("uniform", "gradient", "stochastic placement: which samples are "
                         "promoted -- uniform (each with the same probability: budget - "
                         "floor(budget) per added anchor) or proxy (more often where the "
@@ -207,7 +214,8 @@ class GRPOConfig:
     promote_to: str = _f("anchor", "gradient", "stochastic placement: what a promoted "
                          "sample gets -- anchor (one more nested anchor: the "
                          "(floor(budget)+1)-anchor causal fold in expectation) or exact "
-                         "(every trained step, re-weighted: the exact gradient in "
+                         "(every trained step with a non-zero upstream gradient, re-weighted: "
+                         "the exact gradient in "
                          "expectation, from a causal or linear base fold)",
                          choices=PROMOTE_TO)  # fmt: skip
     chunk_size: int | None = _f(None, "gradient", "samples per anchor / no-grad call (None: "
@@ -478,8 +486,16 @@ _RULES: list[tuple[tuple[str, ...], Callable[[Any, GRPOConfig], bool], str]] = [
      "with mode='jagg' and is not an nft placement: it re-weights the fold's nested rows)"),
     (("promotion",), lambda v, c: v == "uniform" or c.placement == "stochastic",
      "'uniform' unless placement='stochastic' (nothing else promotes)"),
-    (("promote_to",), lambda v, c: v == "anchor" or c.placement == "stochastic",
-     "'anchor' unless placement='stochastic' (nothing else promotes)"),
+    (("budget",), lambda v, c: c.placement != "stochastic" or v is None
+     or promotion_fraction_ok(float(v)),
+     f"None or a number whose fractional part is 0 or >= {MIN_PROMOTION_FRAC} with "
+     "placement='stochastic' (the promotion probabilities scale with it)"),
+    # The router, exact, subsample and mixgrpo would ignore it (the router resolves the
+    # placement to uniform): a run asked to be exact in expectation would silently not be.
+    (("promote_to",), lambda v, c: v == "anchor" or (c.placement == "stochastic"
+                                                    and c.mode == "jagg"),
+     "'anchor' unless placement='stochastic' with mode='jagg' (nothing else promotes; "
+     "got mode={c.mode!r})"),
     (("budget",), lambda v, c: c.promote_to != "exact" or promotes_to_exact(v, c.num_train_steps),
      "fractional (say 2.4) or >= T'={c.num_train_steps} with promote_to='exact' (an integer "
      "budget, or None, promotes nothing: the deterministic base layout)"),

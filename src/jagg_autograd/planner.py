@@ -621,8 +621,9 @@ def stochastic_choice(
     exact gradient).  An integer budget (frac = 0) is the deterministic L-anchor layout
     (``f_b + causal_layout(n_b, L)``; with ``promote_to="exact"``, ``f_b +
     base_layout(n_b, L, fold)``, which the calls refuse below T:
-    :func:`~jagg_autograd.checks.check_promoting_budget`).  Otherwise sample b has a *base* layout and a *full* one
-    that contains it, and F, F_base are their folds of sample b's g:
+    :func:`~jagg_autograd.checks.check_promoting_budget`).  Otherwise sample b has a
+    *base* layout and a *full* one that contains it, and F, F_base are their folds of
+    sample b's g:
 
     * ``promote_to="anchor"`` (causal fold only): the full layout is ``f_b +
       causal_layout(n_b, L+1)``, the base is it without its last anchor k_b (nested, hence
@@ -761,16 +762,21 @@ def apply_promotion(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
     if plan.promotion is None:
         return rows
     src, inv_pi, fsrc, fdst, fw, finv = plan.promotion
-    dt = rows.dtype
+    # bfloat16 / float16 rows are re-weighted in float32: 1/pi rounded to bfloat16 is off
+    # by up to 2^-9, the same factor for every promotion of the call -- a bias of the
+    # correction term, not noise that averages out.  float32 / float64 stay as they were.
+    low = rows.dtype in (torch.float16, torch.bfloat16)
+    work = rows.float() if low else rows
+    dt = work.dtype
     # (1 - 1/pi) in the rows' dtype, then the fold weight: with weight 1 (the causal fold)
     # the coefficient is bit for bit what it was before the weights existed.
     coef = fw.to(dt) * (1.0 - finv.to(dt))
     # Several promoted steps may fold onto one base anchor: index_add sums them (on CUDA
     # in an unspecified order, so bit-reproducible there only with deterministic
     # algorithms on).
-    out = rows.index_add(0, fdst, rows[fsrc] * coef.unsqueeze(1))
-    out[src] = rows[src] * inv_pi.to(dt).unsqueeze(1)
-    return out
+    out = work.index_add(0, fdst, work[fsrc] * coef.unsqueeze(1))
+    out[src] = work[src] * inv_pi.to(dt).unsqueeze(1)
+    return out.to(rows.dtype) if low else out
 
 
 # ------------------------------------------------------------------------------ chooser

@@ -142,7 +142,9 @@ def jagg_window(
             fold for every batch; with promote_to="exact", causal or linear fold: a
             floor(budget)-anchor base promoted to every active step, the expectation the
             exact gradient; an integer budget is the floor(budget)-anchor layout, nothing
-            drawn: ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
+            promoted (the B + 1 uniforms are drawn all the same), refused with
+            promote_to="exact" below T; a fractional part in (0, 0.01) is refused:
+            ``planner.stochastic_choice``) or "adaptive" (deferred only, no router):
             per-sample anchors chosen in the backward from the velocities and the upstream
             gradients, minimising sum_k ||g_k|| ||v_k - v_hat_k|| (v_hat_k: the t-linear
             interpolation between the step's neighbouring anchors) per sample by dynamic
@@ -172,9 +174,12 @@ def jagg_window(
             are drawn from in the backward (B + 1 uniforms per call; None: torch's default
             generator).
         promotion: placement="stochastic" only: "uniform" (every promotable sample with
-            probability budget - floor(budget)) or "proxy" (probabilities growing with the
-            planner's proxy of the promoted term, re-weighted by their inverse: the same
-            expectation, less variance where the proxy tracks the term; see
+            the same probability: budget - floor(budget) with promote_to="anchor";
+            (budget - floor(budget)) n_p / sum_b c_b with promote_to="exact", c_b the
+            non-zero-g steps a promotion adds, n_p the promotable samples) or "proxy"
+            (probabilities growing with the planner's proxy of the promoted term,
+            re-weighted by their inverse: the same expectation, less variance where the
+            proxy tracks the term; see
             :func:`jagg_autograd.planner.stochastic_choice`).
         promote_to: placement="stochastic" only: "anchor" (a promoted sample gets the next
             nested causal anchor: the (L+1)-anchor causal fold in expectation) or "exact"

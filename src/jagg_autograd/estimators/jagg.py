@@ -69,6 +69,9 @@ class JaggEstimator(Estimator):
         # the causal fold run away too: exact GRPO.
         if self.config.fold == "linear":
             return {"fold": "causal"}
+        # Exact GRPO promotes nothing (GRPOConfig refuses promote_to="exact" for it).
+        if self.config.promote_to == "exact":
+            return {"mode": "exact", "promote_to": "anchor"}
         return {"mode": "exact"}
 
     @classmethod
