@@ -471,3 +471,68 @@ def test_ratios_to_an_unresolved_signal_are_marked():
     assert _to_signal(agg(0.04, math.nan), "probe_bias_to_signal", ".3f") == "1.390"
     nan_ratio = {**low, "probe_bias_to_signal": {"mean": math.nan}}
     assert _to_signal(nan_ratio, "probe_bias_to_signal", ".3f") == "n/a"
+
+
+_ORPHAN_SCRIPT = """
+import multiprocessing as mp
+import time
+
+from benchmarks.quality import workers_die_with_study
+
+
+def _sleep(x):
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    with workers_die_with_study(), mp.get_context("spawn").Pool(2) as pool:
+        res = pool.map_async(_sleep, range(2))
+        print(" ".join(str(p.pid) for p in pool._pool), flush=True)
+        res.get()
+"""
+
+
+def test_a_killed_study_takes_its_workers_with_it(tmp_path: Path):
+    """SIGTERM to the study's process (``pkill -f``) terminates its pool's workers; with
+    the default handler they went on running as orphans."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "study.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env,
+                            text=True)  # fmt: skip
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        for p in pids:
+            os.kill(p, 0)  # alive
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _alive(p)]
+            time.sleep(0.2)
+        assert not alive, f"workers {alive} outlived the study"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
