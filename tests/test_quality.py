@@ -439,6 +439,22 @@ def test_pinned_variant_settings_survive_the_study_settings():
     assert "pin" not in variant_config("uniform_causal_w4", 0, "shapes", study).resolved()
 
 
+@pytest.mark.parametrize("task", ["digits", "shapes"])
+def test_exact_anchors_is_exact_up_to_rounding(task: str):
+    """The calibration variant computes exact GRPO's gradient through the deferred anchor
+    path (every step an anchor, the shapes study's window overridden): the probe finds it
+    equal to exact's up to float32 rounding, where the default's fold is visibly not."""
+    from jagg_autograd.trainer import GRPOTrainer
+
+    study = studies_for([task], quick=True)[task]
+    cfg = variant_config("exact_anchors", 0, task, study, eval_per_digit=0, probe_every=1)
+    assert (cfg.mode, cfg.window, cfg.deferred) == ("jagg", 2, True)
+    probe = GRPOTrainer(cfg).probe()
+    assert probe["probe_rel_error"] < 1e-4 and probe["probe_cosine"] > 1 - 1e-8
+    folded = variant_config(DEFAULT, 0, task, study, eval_per_digit=0, probe_every=1)
+    assert GRPOTrainer(folded).probe()["probe_rel_error"] > 1e-2
+
+
 def test_runs_logged_before_the_runaway_guard_keep_their_meaning():
     """A run logged before ``guard_ratio`` existed ran unguarded: it still counts as the
     unguarded "uniform" run, never as "uniform_guard" (the trainer's default since)."""
