@@ -815,6 +815,20 @@ def target_rows(
         gain > bar["exact_gain"],
         f"{_m(agg, 'exact', 'initial_reward'):.4f} -> {_m(agg, 'exact', 'final_reward'):.4f}",
     )
+    if "exact_anchors" in agg:
+        # Exact GRPO against itself: the paired drift of two runs of the same gradient, the
+        # resolution every "within x % of exact" row below has on these seeds (stated).
+        rd = _m(agg, "exact_anchors", "final_rel_diff")
+        std = agg["exact_anchors"].get("final_rel_diff", {}).get("std", math.nan)
+        add(
+            "exact against itself (exact_anchors, rounding apart): the resolution of "
+            "'within x % of exact'",
+            rd,
+            None,
+            f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %), "
+            f"AUC {100 * _m(agg, 'exact_anchors', 'auc_rel_diff'):+.2f} %: a difference of "
+            "this size is two exact runs' drift, not an estimator's",
+        )
     for d in [n for n in CANDIDATES if n in agg]:
         rd = _m(agg, d, "final_rel_diff")
         std = agg.get(d, {}).get("final_rel_diff", {}).get("std", math.nan)

@@ -146,6 +146,7 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
             "nft": _runs(0.70, [0, 10, 20], 20.0),  # as fast as exact, lower
             "exact_fg2": _runs(e, [0, 15, 30], 30.0, (1.0, 1.0)),
             "adaptive_b4_fg2": _runs(e, [0, 15, 30], 15.0, (0.99, 0.99)),
+            "exact_anchors": _runs(e - 0.008, [0, 10, 20], 20.0, (1.0, 1.0)),  # -1 %
         }
     memory = {"exact": 100, DEFAULT: 110, "eager": 400, "nft": 90, "exact_fg2": 50}
     agg = aggregate(per_seed, {**memory, "adaptive_b4_fg2": None})
@@ -194,6 +195,12 @@ def test_aggregate_pairs_per_seed_and_targets_follow_the_numbers():
     assert sh_rows["exact GRPO raises the held-out reward by > 0.08"]["met"] is True
     assert sh_rows[f"{DEFAULT}: final held-out reward within 2 % of exact"]["met"] is True
     assert sh_rows[f"{DEFAULT}: training phase <= 0.5 of exact (on-policy minibatches)"]["met"]
+    # Exact against itself: stated (never judged), the resolution of the rows above.
+    self_ = sh_rows["exact against itself (exact_anchors, rounding apart): the resolution "
+                    "of 'within x % of exact'"]  # fmt: skip
+    assert self_["met"] is None
+    assert self_["measured"] == pytest.approx((-0.008 / 0.80 - 0.008 / 0.82) / 2)
+    assert "AUC -0.61 %" in self_["detail"] and "drift" in self_["detail"]
     nft = rows["nft vs exact: reward vs wall-clock (stated)"]
     assert nft["met"] is None and "exact ahead" in nft["detail"]
 
