@@ -764,6 +764,14 @@ def _m(agg: dict[str, Any], name: str, key: str) -> float:
     return v["mean"] if isinstance(v, dict) and "mean" in v else math.nan
 
 
+def _paired_final(agg: dict[str, Any], name: str) -> tuple[float, str]:
+    """``name``'s final reward relative to its reference, paired per seed: the mean, and
+    the text the targets table shows (mean and std over seeds, in %)."""
+    rd = _m(agg, name, "final_rel_diff")
+    std = agg.get(name, {}).get("final_rel_diff", {}).get("std", math.nan)
+    return rd, f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %)"
+
+
 def cosine_curve_min(per_seed: dict[Any, dict[str, dict[str, Any]]], name: str) -> float:
     """Minimum over probe steps of the seed-averaged gradient cosine of ``name``."""
     cs = [per_seed[s][name]["curves"]["probe_cosine"] for s in per_seed if name in per_seed[s]]
@@ -818,25 +826,22 @@ def target_rows(
     if "exact_anchors" in agg:
         # Exact GRPO against itself: the paired drift of two runs of the same gradient, the
         # resolution every "within x % of exact" row below has on these seeds (stated).
-        rd = _m(agg, "exact_anchors", "final_rel_diff")
-        std = agg["exact_anchors"].get("final_rel_diff", {}).get("std", math.nan)
+        rd, text = _paired_final(agg, "exact_anchors")
         add(
             "exact against itself (exact_anchors, rounding apart): the resolution of "
             "'within x % of exact'",
             rd,
             None,
-            f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %), "
-            f"AUC {100 * _m(agg, 'exact_anchors', 'auc_rel_diff'):+.2f} %: a difference of "
-            "this size is two exact runs' drift, not an estimator's",
+            f"{text}, AUC {100 * _m(agg, 'exact_anchors', 'auc_rel_diff'):+.2f} %: a "
+            "difference of this size is two exact runs' drift, not an estimator's",
         )
     for d in [n for n in CANDIDATES if n in agg]:
-        rd = _m(agg, d, "final_rel_diff")
-        std = agg.get(d, {}).get("final_rel_diff", {}).get("std", math.nan)
+        rd, text = _paired_final(agg, d)
         add(
             f"{d}: final held-out reward within {100 * bar['rel_tol']:g} % of exact",
             rd,
             rd >= -bar["rel_tol"],
-            f"paired relative difference {100 * rd:+.2f} % (std over seeds {100 * std:.2f} %)",
+            text,
         )
         tr = _m(agg, d, "train_seconds_ratio")
         apart = not agg.get(d, {}).get("timed_with_ref", True)
