@@ -41,7 +41,9 @@ it that were not kept: a third stage with position and colour attribution drawn 
 rate (``--text-lr-mult``: colour attribution 0.07 / 0.06), ``--reading-order`` with
 the pooled vector (colours to their sides, shapes not: colour attribution 0.09-0.13), and
 the shipped stage 2 with ``--reading-order 2d`` (stacked pairs read top to bottom: the
-vertical relations' order stayed at chance, position 0.120 -> 0.099 over six noise draws).
+vertical relations' order stayed at chance, position 0.120 -> 0.099 over six noise draws),
+and both stages with ``--reading-order 2d`` from scratch (the vertical order still at
+chance and the horizontal one lost: position 0.073, strict 0.323 against 0.363).
 The meta file's evaluations use 32 prompts per category (about +-0.065 per category);
 compare models with ``python -m benchmarks.shapes_base`` (768 samples, standard errors,
 blank / merged pictures).
